@@ -39,10 +39,10 @@ $(STAMP): requirements-dev.txt packages/*/pyproject.toml integration/pyproject.t
 
 models: $(STAMP) $(TINY)/config.json
 
-$(TINY)/config.json: tools/make_tiny_model.py tools/data/corpus.txt
+$(TINY)/config.json: tools/make_tiny_model.py tools/tiny_model.py tools/data/corpus.txt
 	$(PY) tools/make_tiny_model.py --preset tiny --out $(TINY)
 
-$(SMALL)/config.json: tools/make_tiny_model.py tools/data/corpus.txt
+$(SMALL)/config.json: tools/make_tiny_model.py tools/tiny_model.py tools/data/corpus.txt
 	$(PY) tools/make_tiny_model.py --preset small --out $(SMALL)
 
 test: $(STAMP)

@@ -1,0 +1,255 @@
+"""Top-level configs of the training commands: ``SFTConfig``, ``RMConfig``, ``PPOConfig``.
+
+Each composes only the groups its recipe reads, sets recipe defaults on them (learning rates,
+batch sizes, checkpoint folders), and checks the combinations across groups in
+``__post_init__``. Values that OpenRLHF patched after parsing (the critic's starting weights,
+the total length budget) stay as given; the value in effect is a property here
+(``critic_model_name_or_path``, ``max_len``). A DPO/KTO config would be another class of the
+same shape: ``OptimizerConfig`` fields + ``actor``, ``ref``, ``data: PreferenceDataConfig``, ...
+"""
+
+from __future__ import annotations
+
+from treadle.common.config import ConfigError, configclass
+from treadle.trainer.config.algo import GROUP_ESTIMATORS, AlgoConfig
+from treadle.trainer.config.ckpt import CheckpointConfig
+from treadle.trainer.config.data import PreferenceDataConfig, PromptDataConfig, SFTDataConfig
+from treadle.trainer.config.deepspeed import DeepSpeedConfig
+from treadle.trainer.config.eval import EvalConfig, RLEvalConfig
+from treadle.trainer.config.logger import LoggerConfig, WandbConfig
+from treadle.trainer.config.model import (
+    CriticConfig,
+    PolicyConfig,
+    RefConfig,
+    RewardConfig,
+    RMModelConfig,
+    SFTModelConfig,
+)
+from treadle.trainer.config.optim import AdamConfig, OptimizerConfig
+from treadle.trainer.config.rollout import RolloutConfig, VLLMConfig
+from treadle.trainer.config.train import RLTrainConfig, TrainConfig
+
+
+def _require(value: object, flag: str) -> None:
+    if not value:
+        raise ConfigError(f"{flag} is required")
+
+
+@configclass
+class SFTConfig(OptimizerConfig):
+    """Supervised fine-tuning: next-token loss on the responses of (input, output) rows."""
+
+    adam: AdamConfig = AdamConfig(lr=5e-6)
+    """AdamW settings."""
+    actor: SFTModelConfig = SFTModelConfig()
+    """The model being fine-tuned."""
+    data: SFTDataConfig = SFTDataConfig()
+    """Training data."""
+    train: TrainConfig = TrainConfig(micro_batch_size=8, max_epochs=2)
+    """Loop shape."""
+    ds: DeepSpeedConfig = DeepSpeedConfig()
+    """DeepSpeed, precision, packing, LoRA."""
+    ckpt: CheckpointConfig = CheckpointConfig(path="./ckpt/checkpoints_sft")
+    """Checkpoints."""
+    logger: LoggerConfig = LoggerConfig(wandb=WandbConfig(project="treadle_sft"))
+    """Metric logging."""
+    eval: EvalConfig = EvalConfig()
+    """Held-out evaluation."""
+    local_rank: int = -1
+    """Set by the deepspeed launcher (--local_rank=N); torchrun uses LOCAL_RANK instead."""
+
+    def __post_init__(self) -> None:
+        OptimizerConfig.__post_init__(self)
+        _require(self.actor.model_name_or_path, "--actor.model_name_or_path")
+        _require(self.data.dataset, "--data.dataset")
+
+
+@configclass
+class RMConfig(OptimizerConfig):
+    """Reward-model training on preference pairs (Bradley-Terry)."""
+
+    adam: AdamConfig = AdamConfig(lr=9e-6)
+    """AdamW settings."""
+    actor: RMModelConfig = RMModelConfig()
+    """The reward model being trained (OpenRLHF's README calls its flags --actor.*)."""
+    data: PreferenceDataConfig = PreferenceDataConfig()
+    """Training data."""
+    train: TrainConfig = TrainConfig()
+    """Loop shape."""
+    ds: DeepSpeedConfig = DeepSpeedConfig()
+    """DeepSpeed, precision, packing, LoRA, value-head name."""
+    ckpt: CheckpointConfig = CheckpointConfig(path="./ckpt/checkpoints_rm")
+    """Checkpoints."""
+    logger: LoggerConfig = LoggerConfig(wandb=WandbConfig(project="treadle_rm"))
+    """Metric logging."""
+    eval: EvalConfig = EvalConfig()
+    """Held-out evaluation."""
+    local_rank: int = -1
+    """Set by the deepspeed launcher (--local_rank=N); torchrun uses LOCAL_RANK instead."""
+
+    def __post_init__(self) -> None:
+        OptimizerConfig.__post_init__(self)
+        _require(self.actor.model_name_or_path, "--actor.model_name_or_path")
+        _require(self.data.dataset, "--data.dataset")
+
+
+@configclass
+class PPOConfig:
+    """PPO-family RL (PPO, REINFORCE++, REINFORCE++-baseline, GRPO, Dr. GRPO, RLOO) with vLLM rollouts."""
+
+    actor: PolicyConfig = PolicyConfig(adam=AdamConfig(lr=1e-6))
+    """The policy."""
+    critic: CriticConfig = CriticConfig(adam=AdamConfig(lr=9e-6))
+    """The value model (gae only)."""
+    ref: RefConfig = RefConfig()
+    """The KL reference."""
+    reward: RewardConfig = RewardConfig()
+    """Reward source and shaping."""
+    data: PromptDataConfig = PromptDataConfig()
+    """Prompts."""
+    rollout: RolloutConfig = RolloutConfig()
+    """Sampling."""
+    vllm: VLLMConfig = VLLMConfig()
+    """Rollout engines."""
+    algo: AlgoConfig = AlgoConfig()
+    """Advantage estimator, IS correction, KL, filtering."""
+    train: RLTrainConfig = RLTrainConfig()
+    """Loop shape, colocation, async."""
+    ds: DeepSpeedConfig = DeepSpeedConfig()
+    """DeepSpeed, precision, packing, LoRA."""
+    ckpt: CheckpointConfig = CheckpointConfig(path="./ckpt/checkpoints_ppo")
+    """Checkpoints."""
+    logger: LoggerConfig = LoggerConfig(wandb=WandbConfig(project="treadle_ppo"))
+    """Metric logging."""
+    eval: RLEvalConfig = RLEvalConfig()
+    """Held-out evaluation by sampling."""
+
+    def __post_init__(self) -> None:
+        _require(self.actor.model_name_or_path, "--actor.model_name_or_path")
+        _require(self.data.prompt_dataset, "--data.prompt_dataset")
+        _check_reward_source(self)
+        _check_estimator(self)
+        _check_lengths_and_batches(self)
+        _check_colocation(self)
+        _check_async(self)
+
+    @property
+    def uses_reference(self) -> bool:
+        """Whether a reference model is built (KL coefficient > 0)."""
+        return self.algo.kl.init_coef > 0
+
+    @property
+    def critic_model_name_or_path(self) -> str | None:
+        """The critic's starting weights in effect: its own, else the first reward model; None: no critic."""
+        if self.algo.advantage.estimator != "gae":
+            return None
+        return self.critic.model_name_or_path or next(iter(self.reward.model_paths), None)
+
+    @property
+    def max_len(self) -> int:
+        """Token budget of prompt + response in effect."""
+        if self.data.max_len is not None:
+            return self.data.max_len
+        assert self.rollout.max_new_tokens is not None  # checked in __post_init__
+        return self.data.prompt_max_len + self.rollout.max_new_tokens
+
+
+def _check_reward_source(cfg: PPOConfig) -> None:
+    reward, agent = cfg.reward, cfg.train.agent_func_path
+    if reward.model_name_or_path and reward.remote_url:
+        raise ConfigError("--reward.model_name_or_path and --reward.remote_url are both set: rewards come from one of them")
+    if agent and (reward.model_name_or_path or reward.remote_url):
+        raise ConfigError("--train.agent_func_path computes rewards itself: drop --reward.model_name_or_path/--reward.remote_url")
+    if not (reward.model_name_or_path or reward.remote_url or agent):
+        raise ConfigError("no reward: set --reward.model_name_or_path, --reward.remote_url or --train.agent_func_path")
+    rule_reward = bool(reward.remote_url or agent)
+    if cfg.algo.dynamic_filtering_enable and not rule_reward:
+        raise ConfigError("--algo.dynamic_filtering_enable filters on scores: needs --reward.remote_url or --train.agent_func_path")
+    if cfg.eval.dataset and not rule_reward:
+        raise ConfigError("--eval.dataset scores with the reward function: needs --reward.remote_url or --train.agent_func_path")
+
+
+def _check_estimator(cfg: PPOConfig) -> None:
+    est, n = cfg.algo.advantage.estimator, cfg.rollout.n_samples_per_prompt
+    if est == "gae" and cfg.critic_model_name_or_path is None:
+        raise ConfigError(
+            "--algo.advantage.estimator gae needs a critic: set --critic.model_name_or_path "
+            "(it defaults to the reward model, and none is set)"
+        )
+    if est != "gae":
+        critic = cfg.critic
+        for flag, used in (("--critic.model_name_or_path", critic.model_name_or_path is not None),
+                           ("--critic.freezing_steps", critic.freezing_steps > 0),
+                           ("--critic.save_value_network", critic.save_value_network)):
+            if used:
+                raise ConfigError(f"{flag} is set but --algo.advantage.estimator {est} uses no critic (only gae does)")
+    if est in GROUP_ESTIMATORS and n < 2:
+        raise ConfigError(
+            f"--algo.advantage.estimator {est} compares the samples of a prompt: "
+            f"needs --rollout.n_samples_per_prompt >= 2, got {n}"
+        )
+    if cfg.algo.dynamic_filtering_enable and n < 2:
+        raise ConfigError(f"--algo.dynamic_filtering_enable needs --rollout.n_samples_per_prompt >= 2, got {n}")
+
+
+def _check_lengths_and_batches(cfg: PPOConfig) -> None:
+    rollout, ds, actor = cfg.rollout, cfg.ds, cfg.actor
+    if cfg.data.max_len is None and rollout.max_new_tokens is None:
+        raise ConfigError("no length budget: set --data.max_len or --rollout.max_new_tokens")
+    generate = rollout.vllm_generate_batch_size
+    if generate is not None and generate > rollout.batch_size and not cfg.train.async_enable:
+        raise ConfigError(
+            f"--rollout.vllm_generate_batch_size {generate} > --rollout.batch_size {rollout.batch_size} "
+            "over-samples and needs --train.async_enable"
+        )
+    if cfg.train.dynamic_batch_enable and not ds.packing_samples:
+        raise ConfigError("--train.dynamic_batch_enable needs --ds.packing_samples")
+    ranks = actor.num_nodes * actor.num_gpus_per_node // (ds.ring_attn_size * ds.tensor_parallel_size)
+    micro_batches = rollout.batch_size * rollout.n_samples_per_prompt // rollout.micro_batch_size
+    if micro_batches < ranks:
+        raise ConfigError(
+            f"--rollout.batch_size x --rollout.n_samples_per_prompt / --rollout.micro_batch_size = {micro_batches} "
+            f"micro-batches cannot feed {ranks} actor data-parallel ranks"
+        )
+
+
+def _same_gpus(cfg: PPOConfig, role: str, why: str) -> None:
+    a, other = cfg.actor, getattr(cfg, role)
+    if (other.num_nodes, other.num_gpus_per_node) != (a.num_nodes, a.num_gpus_per_node):
+        raise ConfigError(
+            f"{why} puts {role} on the actor's GPUs: --{role}.num_nodes x --{role}.num_gpus_per_node "
+            f"({other.num_nodes} x {other.num_gpus_per_node}) must equal --actor.num_nodes x "
+            f"--actor.num_gpus_per_node ({a.num_nodes} x {a.num_gpus_per_node})"
+        )
+
+
+def _check_colocation(cfg: PPOConfig) -> None:
+    train, vllm, actor = cfg.train, cfg.vllm, cfg.actor
+    reward_model = bool(cfg.reward.model_name_or_path)
+    if train.colocate_all:
+        for role, used in (("ref", cfg.uses_reference), ("critic", cfg.critic_model_name_or_path is not None),
+                           ("reward", reward_model)):
+            if used:
+                _same_gpus(cfg, role, "--train.colocate_all")
+        engine_gpus = vllm.num_engines * vllm.tensor_parallel_size
+        if not train.async_enable and engine_gpus != actor.num_nodes * actor.num_gpus_per_node:
+            raise ConfigError(
+                f"--train.colocate_all: --vllm.num_engines x --vllm.tensor_parallel_size ({engine_gpus}) must equal "
+                f"the actor's GPUs ({actor.num_nodes * actor.num_gpus_per_node})"
+            )
+    elif train.colocate_actor_ref and cfg.uses_reference:
+        _same_gpus(cfg, "ref", "--train.colocate_actor_ref")
+    if train.colocate_critic_reward and not train.colocate_all:
+        if cfg.critic_model_name_or_path is None or not reward_model:
+            raise ConfigError("--train.colocate_critic_reward needs both a critic (gae) and a reward model")
+        if (cfg.critic.num_nodes, cfg.critic.num_gpus_per_node) != (cfg.reward.num_nodes, cfg.reward.num_gpus_per_node):
+            raise ConfigError("--train.colocate_critic_reward: --critic.* and --reward.* num_nodes x num_gpus_per_node must match")
+    if vllm.enable_sleep and not train.colocate_all:
+        raise ConfigError("--vllm.enable_sleep frees engine memory for colocated training: needs --train.colocate_all")
+    if cfg.ds.enable_sleep and not (train.colocate_all or train.colocate_actor_ref or train.colocate_critic_reward):
+        raise ConfigError("--ds.enable_sleep frees GPU memory for colocated models: needs a --train.colocate_* switch")
+
+
+def _check_async(cfg: PPOConfig) -> None:
+    if cfg.train.async_enable and cfg.vllm.enable_sleep:
+        raise ConfigError("--train.async_enable generates while training: engines cannot sleep (--vllm.enable_sleep)")

@@ -1,0 +1,92 @@
+"""DeepSpeed, precision, attention, packing, context-parallel and LoRA settings (the ``ds`` group).
+
+Shared by every trained model of a run. Only describes the engine; building the DeepSpeed
+config dict and the engine is ``treadle.trainer``'s strategy module's job (no deepspeed here).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from treadle.common.config import ConfigError, configclass
+
+
+@configclass
+class LoraConfig:
+    """LoRA adapters (ds.lora); rank 0 trains the full model."""
+
+    rank: int = 0
+    """Adapter rank r; 0 disables LoRA."""
+    alpha: int = 16
+    """Scaling numerator: adapters are scaled by alpha / r."""
+    target_modules: tuple[str, ...] = ("all-linear",)
+    """Module names (or all-linear) that get adapters."""
+    dropout: float = 0.0
+    """Dropout on the adapter input."""
+
+    def __post_init__(self) -> None:
+        if self.rank < 0:
+            raise ConfigError(f"--rank must be >= 0 (0 disables LoRA), got {self.rank}")
+        if self.alpha <= 0:
+            raise ConfigError(f"--alpha must be > 0, got {self.alpha}")
+        if not self.target_modules:
+            raise ConfigError("--target_modules is empty: name at least one module (or all-linear)")
+        if not 0 <= self.dropout < 1:
+            raise ConfigError(f"--dropout must be in [0, 1), got {self.dropout}")
+
+
+@configclass
+class DeepSpeedConfig:
+    """How models are sharded, stored and computed."""
+
+    zero_stage: int = 2
+    """ZeRO stage: 0 (DDP), 1 (optimizer states), 2 (+ gradients), 3 (+ parameters)."""
+    param_dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
+    """Parameter / compute dtype (fp32 for CPU runs)."""
+    zpg: int = 1
+    """ZeRO++ hierarchical partition size (1: off)."""
+    adam_offload: bool = False
+    """Keep optimizer states in CPU memory."""
+    attn_implementation: str = "flash_attention_2"
+    """HF attention implementation: eager, sdpa, flash_attention_2, flash_attention_3, or a kernels-hub name."""
+    experts_implementation: Literal["eager", "batched_mm", "grouped_mm", "deepgemm"] | None = None
+    """MoE expert computation passed to transformers; None lets transformers choose."""
+    use_liger_kernel: bool = False
+    """Use Liger fused kernels."""
+    grad_accum_dtype: Literal["fp32", "bf16", "fp16"] | None = None
+    """Dtype of gradient accumulation buffers; None: DeepSpeed's default."""
+    overlap_comm: bool = False
+    """Overlap gradient reduction with the backward pass."""
+    deepcompile: bool = False
+    """Enable DeepSpeed's deepcompile."""
+    enable_sleep: bool = False
+    """Offload model and optimizer states between phases when models share GPUs (colocation)."""
+    tensor_parallel_size: int = 1
+    """DeepSpeed AutoTP degree."""
+    packing_samples: bool = False
+    """Pack several samples into one row without padding (needed by ring attention and dynamic batches)."""
+    ring_attn_size: int = 1
+    """Ranks that split one sequence with ring attention (context parallelism); 1: off."""
+    ring_attn_head_stride: int = 1
+    """Heads handled per ring-attention pass; a divisor of the head count (larger: faster, more memory)."""
+    load_in_4bit: bool = False
+    """Load the base weights in 4 bit (QLoRA; needs lora.rank > 0)."""
+    lora: LoraConfig = LoraConfig()
+    """LoRA adapters."""
+    value_head_prefix: str = "score"
+    """Attribute name of the value head of reward models and critics (score loads with AutoModelForSequenceClassification)."""
+    use_universal_ckpt: bool = False
+    """Save and load DeepSpeed universal checkpoints (resume with a different parallel layout)."""
+
+    def __post_init__(self) -> None:
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ConfigError(f"--zero_stage must be 0, 1, 2 or 3, got {self.zero_stage}")
+        for name in ("zpg", "tensor_parallel_size", "ring_attn_size", "ring_attn_head_stride"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name} must be >= 1, got {getattr(self, name)}")
+        if self.ring_attn_size > 1 and not self.packing_samples:
+            raise ConfigError(f"--ring_attn_size {self.ring_attn_size} needs --packing_samples")
+        if self.load_in_4bit and self.lora.rank == 0:
+            raise ConfigError("--load_in_4bit needs LoRA: 4-bit base weights cannot be trained; set --lora.rank")
+        if not self.value_head_prefix.isidentifier():
+            raise ConfigError(f"--value_head_prefix must be an attribute name, got {self.value_head_prefix!r}")

@@ -1,0 +1,208 @@
+"""Model roles: the trained model of SFT/RM, and PPO's actor, critic, reference and reward.
+
+One class per role, each with only the settings that role reads. Trained PPO roles carry
+their own placement (``num_nodes`` x ``num_gpus_per_node``) and optimizer (``--actor.adam.lr``,
+``--critic.adam.lr``). Loading models is the trainer's job; nothing here touches weights.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from treadle.common.config import ConfigError, configclass
+from treadle.trainer.config.optim import OptimizerConfig
+
+
+def _check_model(cfg: Any) -> None:
+    if cfg.model_name_or_path == "":
+        raise ConfigError("--model_name_or_path is empty: give a HF model name or path")
+
+
+def _check_placement(cfg: Any) -> None:
+    if cfg.num_nodes < 1 or cfg.num_gpus_per_node < 1:
+        raise ConfigError(
+            f"--num_nodes and --num_gpus_per_node must be >= 1, got {cfg.num_nodes} x {cfg.num_gpus_per_node}"
+        )
+
+
+@configclass
+class ModelConfig:
+    """A model trained by a single-model recipe (SFT, RM, DPO, ...)."""
+
+    model_name_or_path: str | None = None
+    """HF model name or local path to start from (required)."""
+    gradient_checkpointing_enable: bool = False
+    """Recompute activations in the backward pass to save memory."""
+    gradient_checkpointing_reentrant: bool = False
+    """Use the reentrant flavour of torch checkpointing."""
+    aux_loss_coef: float = 0.0
+    """Weight of the MoE load-balancing loss (0: off)."""
+
+    def __post_init__(self) -> None:
+        _check_model(self)
+        if not self.aux_loss_coef >= 0:
+            raise ConfigError(f"--aux_loss_coef must be >= 0, got {self.aux_loss_coef}")
+
+
+@configclass
+class SFTModelConfig(ModelConfig):
+    """The model fine-tuned by SFT."""
+
+    pretrain_mode_enable: bool = False
+    """Continued pre-training: loss on every token, prompts included."""
+
+
+@configclass
+class RMModelConfig(ModelConfig):
+    """The reward model being trained (a value head on a causal LM)."""
+
+    loss_type: Literal["sigmoid", "logexp"] = "sigmoid"
+    """Pairwise loss: -log sigmoid(r_chosen - r_rejected), or log(1 + exp(r_rejected - r_chosen))."""
+    margin_loss_enable: bool = False
+    """Subtract the dataset's per-pair margin inside the loss."""
+    compute_fp32_loss_enable: bool = False
+    """Compute the loss in fp32."""
+
+
+@configclass
+class TrainedRoleConfig(OptimizerConfig):
+    """A model PPO trains on its own GPUs: placement + optimizer."""
+
+    model_name_or_path: str | None = None
+    """HF model name or local path to start from."""
+    num_nodes: int = 1
+    """Nodes of this role's DeepSpeed group."""
+    num_gpus_per_node: int = 8
+    """GPUs per node of this role's DeepSpeed group."""
+
+    def __post_init__(self) -> None:
+        OptimizerConfig.__post_init__(self)
+        _check_model(self)
+        _check_placement(self)
+
+
+@configclass
+class PolicyConfig(TrainedRoleConfig):
+    """PPO's actor: the policy being trained."""
+
+    gradient_checkpointing_enable: bool = False
+    """Recompute activations in the backward pass (actor and critic)."""
+    gradient_checkpointing_reentrant: bool = False
+    """Use the reentrant flavour of torch checkpointing."""
+    aux_loss_coef: float = 0.0
+    """Weight of the MoE load-balancing loss (0: off)."""
+    policy_loss_type: Literal["ppo", "gspo"] = "ppo"
+    """Token-level PPO clipping, or GSPO's sequence-level ratio clipping."""
+    eps_clip: float = 0.2
+    """PPO clip range: ratios are clipped to [1 - eps, 1 + eps]."""
+    eps_clip_low_high: tuple[float, float] | None = None
+    """Asymmetric clip (low, high): ratios clipped to [1 - low, 1 + high]; None: (eps_clip, eps_clip)."""
+    dual_clip: float | None = None
+    """Dual-clip constant c > 1 bounding the loss of negative-advantage tokens; None: off."""
+    entropy_coef: float | None = None
+    """Entropy bonus weight; 0 only logs the entropy; None: neither."""
+
+    def __post_init__(self) -> None:
+        TrainedRoleConfig.__post_init__(self)
+        if not self.eps_clip > 0:
+            raise ConfigError(f"--eps_clip must be > 0, got {self.eps_clip}")
+        if self.eps_clip_low_high is not None and not all(e > 0 for e in self.eps_clip_low_high):
+            raise ConfigError(f"--eps_clip_low_high must both be > 0, got {list(self.eps_clip_low_high)}")
+        if self.dual_clip is not None and not self.dual_clip > 1:
+            raise ConfigError(f"--dual_clip must be > 1, got {self.dual_clip}")
+        if not self.aux_loss_coef >= 0:
+            raise ConfigError(f"--aux_loss_coef must be >= 0, got {self.aux_loss_coef}")
+
+    @property
+    def clip_low_high(self) -> tuple[float, float]:
+        """(low, high) clip widths in effect."""
+        return self.eps_clip_low_high or (self.eps_clip, self.eps_clip)
+
+
+@configclass
+class CriticConfig(TrainedRoleConfig):
+    """PPO's value model (only with the gae advantage estimator).
+
+    model_name_or_path None starts the critic from the (first) reward model, as OpenRLHF
+    does; PPOConfig.critic_model_name_or_path gives the path in effect.
+    """
+
+    value_clip: float | None = 0.5
+    """Value-loss clip range around the old values; None: unclipped."""
+    freezing_steps: int = -1
+    """Train only the critic for this many first steps (actor frozen) to warm it up; -1: off."""
+    save_value_network: bool = False
+    """Also save the critic at the end."""
+
+    def __post_init__(self) -> None:
+        TrainedRoleConfig.__post_init__(self)
+        if self.value_clip is not None and not self.value_clip > 0:
+            raise ConfigError(f"--value_clip must be > 0 (or None), got {self.value_clip}")
+        if self.freezing_steps < -1:
+            raise ConfigError(f"--freezing_steps must be -1 (off) or >= 0, got {self.freezing_steps}")
+
+
+@configclass
+class RefConfig:
+    """The frozen reference policy of the KL penalty (created only when algo.kl.init_coef > 0)."""
+
+    model_name_or_path: str | None = None
+    """Reference weights; None: the actor's starting weights."""
+    num_nodes: int = 1
+    """Nodes of the reference group."""
+    num_gpus_per_node: int = 8
+    """GPUs per node of the reference group."""
+    offload: bool = False
+    """Keep the reference model in CPU memory between uses."""
+
+    def __post_init__(self) -> None:
+        _check_model(self)
+        _check_placement(self)
+
+
+@configclass
+class RewardConfig:
+    """Where rewards come from (a reward model, or a remote / Python reward) and how they are shaped."""
+
+    model_name_or_path: str | None = None
+    """Reward model(s), comma-separated; the first also initialises the critic."""
+    remote_url: str | None = None
+    """HTTP reward endpoint(s), comma-separated, or a .py file defining reward_func."""
+    num_nodes: int = 1
+    """Nodes of the reward-model group."""
+    num_gpus_per_node: int = 8
+    """GPUs per node of the reward-model group."""
+    offload: bool = False
+    """Keep the reward model in CPU memory between uses."""
+    normalize_enable: bool = False
+    """Normalise reward-model scores with the running mean/std stored in the model."""
+    clip_range: tuple[float, float] = (-10.0, 10.0)
+    """Rewards are clipped to [low, high]."""
+    overlong_buffer_len: float | None = None
+    """DAPO overlong shaping: penalise responses within this many tokens of the limit; None: off."""
+    overlong_penalty_factor: float = 1.0
+    """Largest overlong penalty (reached at the length limit)."""
+    stop_properly_penalty_coef: float | None = None
+    """Truncated samples: >= 0 scales their reward by it (in [0, 1]); < 0 replaces it; None: off."""
+
+    def __post_init__(self) -> None:
+        _check_model(self)
+        _check_placement(self)
+        low, high = self.clip_range
+        if not low < high:
+            raise ConfigError(f"--clip_range must be low < high, got {list(self.clip_range)}")
+        if self.overlong_buffer_len is not None and not self.overlong_buffer_len > 0:
+            raise ConfigError(f"--overlong_buffer_len must be > 0, got {self.overlong_buffer_len}")
+        coef = self.stop_properly_penalty_coef
+        if coef is not None and coef > 1:
+            raise ConfigError(f"--stop_properly_penalty_coef must be <= 1 (a scale in [0, 1] or a negative reward), got {coef}")
+
+    @property
+    def model_paths(self) -> tuple[str, ...]:
+        """The reward models, split."""
+        return tuple(p.strip() for p in (self.model_name_or_path or "").split(",") if p.strip())
+
+    @property
+    def remote_urls(self) -> tuple[str, ...]:
+        """The remote rewards, split."""
+        return tuple(u.strip() for u in (self.remote_url or "").split(",") if u.strip())

@@ -1,0 +1,81 @@
+"""Rollout sampling (the ``rollout`` group) and the vLLM engines that do it (the ``vllm`` group).
+
+``rollout.batch_size`` prompts per step, each sampled ``n_samples_per_prompt`` times. The
+engines themselves run in ``treadle.rollout``; this module only describes them.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from treadle.common.config import ConfigError, alias, configclass
+
+
+@configclass
+class RolloutConfig:
+    """How many samples to generate per step and how."""
+
+    batch_size: int = 1024
+    """Prompts per rollout step."""
+    micro_batch_size: int = 1
+    """Samples per GPU per forward pass when scoring rollouts (reference, reward, critic)."""
+    n_samples_per_prompt: int = 1
+    """Responses sampled per prompt (the group size of group-relative estimators)."""
+    vllm_generate_batch_size: int | None = None
+    """Prompts sent to the engines per round; above batch_size over-samples (async only); None: batch_size."""
+    max_new_tokens: Annotated[int | None, alias("--generate_max_len")] = 1024
+    """Most tokens generated per response (also --generate_max_len); None: up to data.max_len."""
+    temperature: float = 1.0
+    """Sampling temperature."""
+    top_p: float = 1.0
+    """Nucleus sampling mass."""
+    max_tokens_per_gpu: int | None = None
+    """Token budget of a scoring micro-batch with dynamic batching; None: train.max_tokens_per_gpu."""
+
+    def __post_init__(self) -> None:
+        for name in ("batch_size", "micro_batch_size", "n_samples_per_prompt"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("vllm_generate_batch_size", "max_new_tokens", "max_tokens_per_gpu"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ConfigError(f"--{name} must be >= 1 (or None), got {value}")
+        if not self.temperature >= 0:
+            raise ConfigError(f"--temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"--top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def generate_batch_size(self) -> int:
+        """Prompts per generation round in effect."""
+        return self.vllm_generate_batch_size or self.batch_size
+
+
+@configclass
+class VLLMConfig:
+    """The vLLM engine pool that generates rollouts."""
+
+    num_engines: int = 1
+    """Engines in the pool."""
+    tensor_parallel_size: int = 1
+    """GPUs per engine (tensor parallel)."""
+    sync_backend: Literal["nccl", "gloo"] = "nccl"
+    """Collective used to broadcast new weights to the engines (gloo on CPU)."""
+    sync_with_ray: bool = False
+    """Send weights through Ray's object store instead of a collective."""
+    enable_prefix_caching: bool = False
+    """Reuse KV cache across requests sharing a prefix."""
+    enforce_eager: bool = False
+    """Disable CUDA graphs."""
+    enable_sleep: bool = False
+    """Free engine memory while training (needs train.colocate_all)."""
+    gpu_memory_utilization: float = 0.95
+    """Share of GPU memory an engine may take (of host memory for the CPU build)."""
+
+    def __post_init__(self) -> None:
+        if self.num_engines < 1:
+            raise ConfigError(f"--num_engines must be >= 1, got {self.num_engines}")
+        if self.tensor_parallel_size < 1:
+            raise ConfigError(f"--tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ConfigError(f"--gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")

@@ -1,0 +1,78 @@
+"""The training loop's shape (the ``train`` group): batch sizes, epochs, seed, and for RL the
+episode count, model colocation, asynchronous rollout and dynamic batching.
+
+Batch sizes count samples: ``batch_size`` is global (one optimizer step), ``micro_batch_size``
+is per GPU and forward pass. The loop itself lives in the trainers.
+"""
+
+from __future__ import annotations
+
+from treadle.common.config import ConfigError, configclass
+
+
+@configclass
+class TrainConfig:
+    """Loop settings of every recipe."""
+
+    batch_size: int = 128
+    """Global batch: samples per optimizer step, summed over data-parallel ranks."""
+    micro_batch_size: int = 1
+    """Samples per GPU per forward/backward pass (gradients accumulate up to batch_size)."""
+    max_epochs: int = 1
+    """Passes over the training data (RL: over each rollout batch)."""
+    seed: int = 42
+    """Seed of data order, initialisation and sampling."""
+    full_determinism_enable: bool = False
+    """Deterministic kernels and ordering (slower) for reproducible runs."""
+
+    def __post_init__(self) -> None:
+        for name in ("batch_size", "micro_batch_size", "max_epochs"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name} must be >= 1, got {getattr(self, name)}")
+        if self.batch_size % self.micro_batch_size:
+            raise ConfigError(
+                f"--batch_size {self.batch_size} is not a multiple of --micro_batch_size {self.micro_batch_size}"
+            )
+
+
+@configclass
+class RLTrainConfig(TrainConfig):
+    """Loop settings of PPO-family RL."""
+
+    num_episodes: int = 1
+    """Passes over the prompt dataset."""
+    colocate_all: bool = False
+    """Actor, critic, reference, reward and the vLLM engines share the same GPUs (hybrid engine)."""
+    colocate_actor_ref: bool = False
+    """Actor and reference share GPUs."""
+    colocate_critic_reward: bool = False
+    """Critic and reward model share GPUs."""
+    async_enable: bool = False
+    """Generate the next rollout batch while training on the current one."""
+    async_queue_size: int = 1
+    """Async staleness bound: rollout batches generated ahead of training (larger: more off-policy)."""
+    partial_rollout_enable: bool = False
+    """Async only: update weights mid-generation instead of waiting (samples may mix policy versions)."""
+    dynamic_batch_enable: bool = False
+    """Form micro-batches by token budget (max_tokens_per_gpu) instead of sample count."""
+    max_tokens_per_gpu: int = 16192
+    """Token budget of a training micro-batch with dynamic batching."""
+    agent_func_path: str | None = None
+    """Python file of a (multi-turn) agent executor; rewards then come from the agent."""
+    enable_ema: bool = False
+    """Keep an exponential moving average of the actor weights."""
+    ema_beta: float = 0.992
+    """EMA decay."""
+
+    def __post_init__(self) -> None:
+        TrainConfig.__post_init__(self)
+        if self.num_episodes < 1:
+            raise ConfigError(f"--num_episodes must be >= 1, got {self.num_episodes}")
+        if self.async_queue_size < 1:
+            raise ConfigError(f"--async_queue_size must be >= 1, got {self.async_queue_size}")
+        if self.partial_rollout_enable and not self.async_enable:
+            raise ConfigError("--partial_rollout_enable needs --async_enable")
+        if self.max_tokens_per_gpu < 1:
+            raise ConfigError(f"--max_tokens_per_gpu must be >= 1, got {self.max_tokens_per_gpu}")
+        if not 0 < self.ema_beta < 1:
+            raise ConfigError(f"--ema_beta must be in (0, 1), got {self.ema_beta}")

@@ -1,0 +1,467 @@
+"""The training command lines: the feature spec's (OpenRLHF README) SFT, RM and PPO commands parse
+unchanged into the typed configs; estimators, aliases, retired flags and invalid combinations;
+and the full flag set of each command is pinned.
+
+The pinned flag sets live in ``config_flags.txt`` next to this file. After an intended change
+to the CLI, regenerate it (no environment variables or terminal settings involved) with::
+
+    PYTHONPATH=packages/common/src:packages/trainer/src \\
+        python -m treadle.trainer.config --dump-flags > packages/trainer/tests/config_flags.txt
+
+(plain ``python -m treadle.trainer.config --dump-flags`` once the packages are installed), and
+review the diff: every removed or renamed flag breaks someone's launch script.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+from treadle.common.config import ConfigError, dump_yaml, load_yaml
+from treadle.trainer.config import (
+    ADVANTAGE_ESTIMATORS,
+    COMMANDS,
+    GROUP_ESTIMATORS,
+    PPOConfig,
+    command_flags,
+    flags_snapshot,
+    parse_ppo,
+    parse_rm,
+    parse_sft,
+)
+from treadle.trainer.config.__main__ import main as config_main
+
+SNAPSHOT = Path(__file__).with_name("config_flags.txt")
+
+# Copied verbatim from the seed (seeds/000_5836f313df81d42f.txt).
+SEED_SFT = r"""
+deepspeed --module openrlhf.cli.train_sft \
+   --data.max_len 4096 \
+   --data.dataset Open-Orca/OpenOrca \
+   --data.input_key question \
+   --data.output_key response \
+   --data.input_template $'User: {}\nAssistant: ' \
+   --train.batch_size 256 \
+   --train.micro_batch_size 2 \
+   --data.max_samples 500000 \
+   --actor.model_name_or_path meta-llama/Meta-Llama-3-8B \
+   --ckpt.output_dir ./checkpoint/llama3-8b-sft \
+   --ckpt.save_steps -1 \
+   --logger.logging_steps 1 \
+   --eval.steps -1 \
+   --ds.zero_stage 2 \
+   --train.max_epochs 1 \
+   --ds.packing_samples \
+   --ds.param_dtype bf16 \
+   --adam.lr 5e-6 \
+   --actor.gradient_checkpointing_enable \
+   --logger.wandb.key {wandb_token}
+"""
+
+SEED_RM = r"""
+deepspeed --module openrlhf.cli.train_rm \
+   --ckpt.output_dir ./checkpoint/llama3-8b-rm \
+   --ckpt.save_steps -1 \
+   --logger.logging_steps 1 \
+   --eval.steps -1 \
+   --train.batch_size 256 \
+   --train.micro_batch_size 1 \
+   --actor.model_name_or_path OpenRLHF/Llama-3-8b-sft-mixture \
+   --ds.param_dtype bf16 \
+   --train.max_epochs 1 \
+   --data.max_len 8192 \
+   --ds.zero_stage 3 \
+   --adam.lr 9e-6 \
+   --data.dataset OpenRLHF/preference_dataset_mixture2_and_safe_pku \
+   --data.apply_chat_template \
+   --chosen_key chosen \
+   --rejected_key rejected \
+   --ds.packing_samples \
+   --actor.gradient_checkpointing_enable \
+   --logger.wandb.key {wandb_token}
+"""
+
+SEED_PPO = r"""
+ray job submit --address="http://127.0.0.1:8265" \
+   --runtime-env-json='{"working_dir": "/openrlhf"}' \
+   -- python3 -m openrlhf.cli.train_ppo_ray \
+   --ref.num_nodes 1 \
+   --ref.num_gpus_per_node 8 \
+   --reward.num_nodes 1 \
+   --reward.num_gpus_per_node 8 \
+   --critic.num_nodes 1 \
+   --critic.num_gpus_per_node 8 \
+   --actor.num_nodes 1 \
+   --actor.num_gpus_per_node 8 \
+   --vllm.num_engines 4 \
+   --vllm.tensor_parallel_size 2 \
+   --train.colocate_all \
+   --vllm.gpu_memory_utilization 0.5 \
+   --actor.model_name_or_path OpenRLHF/Llama-3-8b-sft-mixture \
+   --reward.model_name_or_path OpenRLHF/Llama-3-8b-rm-700k \
+   --ckpt.output_dir /openrlhf/examples/test_scripts/final/llama3-8b-rlhf \
+   --ckpt.path /openrlhf/examples/test_scripts/ckpt/llama3-8b-rlhf \
+   --ckpt.save_hf \
+   --train.batch_size 128 \
+   --rollout.batch_size 1024 \
+   --train.dynamic_batch_enable \
+   --rollout.n_samples_per_prompt 1 \
+   --train.max_epochs 1 \
+   --prompt_max_len 1024 \
+   --data.max_samples 100000 \
+   --generate_max_len 1024 \
+   --ds.zero_stage 3 \
+   --ds.param_dtype bf16 \
+   --actor.adam.lr 5e-7 \
+   --critic.adam.lr 9e-6 \
+   --algo.kl.init_coef 0.01 \
+   --data.prompt_dataset OpenRLHF/prompt-collection-v0.1 \
+   --data.input_key context_messages \
+   --data.apply_chat_template \
+   --reward.normalize_enable \
+   --actor.gradient_checkpointing_enable \
+   --ds.packing_samples \
+   --vllm.sync_backend nccl \
+   --vllm.enforce_eager \
+   --vllm.enable_sleep \
+   --ds.enable_sleep \
+   --logger.wandb.key {wandb_token}
+"""
+
+
+def _ansi_c(match: re.Match[str]) -> str:
+    """bash's $'...' quoting (only the escapes the seed uses), re-quoted for shlex."""
+    text = match.group(1).replace("\\n", "\n").replace("\\t", "\t").replace("\\'", "'").replace("\\\\", "\\")
+    return shlex.quote(text)
+
+
+def seed_argv(command: str, module: str) -> list[str]:
+    """The arguments after ``module`` exactly as bash would pass them."""
+    words = shlex.split(re.sub(r"\$'((?:[^'\\]|\\.)*)'", _ansi_c, command.replace("\\\n", " ")))
+    return words[words.index(module) + 1:]
+
+
+def sft_argv() -> list[str]:
+    return seed_argv(SEED_SFT, "openrlhf.cli.train_sft")
+
+
+def rm_argv() -> list[str]:
+    return seed_argv(SEED_RM, "openrlhf.cli.train_rm")
+
+
+def ppo_argv() -> list[str]:
+    return seed_argv(SEED_PPO, "openrlhf.cli.train_ppo_ray")
+
+
+# ---------------------------------------------------------------------------------------------
+# The seed's command lines
+
+
+def test_seed_argv_is_what_bash_passes():
+    argv = sft_argv()
+    assert argv[argv.index("--data.input_template") + 1] == "User: {}\nAssistant: "
+    assert argv[-2:] == ["--logger.wandb.key", "{wandb_token}"]
+    assert ppo_argv()[:2] == ["--ref.num_nodes", "1"]
+
+
+def test_seed_sft_command():
+    cfg = parse_sft(sft_argv())
+    assert cfg.data.max_len == 4096
+    assert cfg.data.dataset == "Open-Orca/OpenOrca"
+    assert (cfg.data.input_key, cfg.data.output_key) == ("question", "response")
+    assert cfg.data.input_template == "User: {}\nAssistant: "
+    assert (cfg.train.batch_size, cfg.train.micro_batch_size, cfg.train.max_epochs) == (256, 2, 1)
+    assert cfg.data.max_samples == 500000
+    assert cfg.actor.model_name_or_path == "meta-llama/Meta-Llama-3-8B"
+    assert cfg.ckpt.output_dir == "./checkpoint/llama3-8b-sft" and cfg.ckpt.save_steps == -1
+    assert cfg.logger.logging_steps == 1 and cfg.eval.steps == -1
+    assert cfg.ds.zero_stage == 2 and cfg.ds.packing_samples and cfg.ds.param_dtype == "bf16"
+    assert cfg.adam.lr == 5e-6
+    assert cfg.actor.gradient_checkpointing_enable is True
+    assert cfg.logger.wandb.key == "{wandb_token}"
+    assert cfg.local_rank == -1 and not cfg.actor.pretrain_mode_enable and not cfg.data.multiturn
+
+
+def test_seed_sft_under_the_deepspeed_launcher():
+    # `deepspeed --module ...` appends --local_rank=N to the module's arguments.
+    assert parse_sft([*sft_argv(), "--local_rank=3"]).local_rank == 3
+
+
+@pytest.mark.parametrize(("extra", "attr", "value"), [
+    (["--data.apply_chat_template", "--data.input_template", "None"], "data.apply_chat_template", True),
+    (["--ds.ring_attn_size", "2"], "ds.ring_attn_size", 2),
+    (["--data.multiturn", "--data.apply_chat_template", "--data.input_template", "None"], "data.multiturn", True),
+    (["--actor.pretrain_mode_enable"], "actor.pretrain_mode_enable", True),
+])
+def test_seed_sft_optional_switches(extra, attr, value):
+    cfg = parse_sft([*sft_argv(), *extra])
+    group, field = attr.split(".")
+    assert getattr(getattr(cfg, group), field) == value
+
+
+def test_seed_rm_command():
+    cfg = parse_rm(rm_argv())
+    assert cfg.ckpt.output_dir == "./checkpoint/llama3-8b-rm" and cfg.ckpt.save_steps == -1
+    assert cfg.logger.logging_steps == 1 and cfg.eval.steps == -1
+    assert (cfg.train.batch_size, cfg.train.micro_batch_size, cfg.train.max_epochs) == (256, 1, 1)
+    assert cfg.actor.model_name_or_path == "OpenRLHF/Llama-3-8b-sft-mixture"
+    assert cfg.ds.param_dtype == "bf16" and cfg.ds.zero_stage == 3 and cfg.ds.packing_samples
+    assert cfg.data.max_len == 8192
+    assert cfg.adam.lr == 9e-6
+    assert cfg.data.dataset == "OpenRLHF/preference_dataset_mixture2_and_safe_pku"
+    assert cfg.data.apply_chat_template is True
+    assert (cfg.data.chosen_key, cfg.data.rejected_key) == ("chosen", "rejected")
+    assert cfg.actor.gradient_checkpointing_enable is True
+    assert cfg.logger.wandb.key == "{wandb_token}"
+    assert cfg.ds.value_head_prefix == "score" and cfg.actor.loss_type == "sigmoid"
+
+
+def test_rm_un_dotted_keys_are_aliases_of_the_dotted_ones():
+    spelled = [a for a in rm_argv() if a not in ("--chosen_key", "chosen", "--rejected_key", "rejected")]
+    cfg = parse_rm([*spelled, "--data.chosen_key", "good", "--data.rejected_key", "bad"])
+    assert (cfg.data.chosen_key, cfg.data.rejected_key) == ("good", "bad")
+    assert parse_rm([*spelled, "--chosen_key", "good"]).data.chosen_key == "good"
+
+
+def test_seed_ppo_command():
+    cfg = parse_ppo(ppo_argv())
+    for role in (cfg.ref, cfg.reward, cfg.critic, cfg.actor):
+        assert (role.num_nodes, role.num_gpus_per_node) == (1, 8)
+    assert (cfg.vllm.num_engines, cfg.vllm.tensor_parallel_size) == (4, 2)
+    assert cfg.vllm.gpu_memory_utilization == 0.5 and cfg.vllm.sync_backend == "nccl"
+    assert cfg.vllm.enforce_eager and cfg.vllm.enable_sleep and cfg.ds.enable_sleep
+    assert cfg.train.colocate_all and cfg.train.dynamic_batch_enable and cfg.ckpt.save_hf
+    assert cfg.actor.model_name_or_path == "OpenRLHF/Llama-3-8b-sft-mixture"
+    assert cfg.reward.model_name_or_path == "OpenRLHF/Llama-3-8b-rm-700k"
+    assert cfg.ckpt.path == "/openrlhf/examples/test_scripts/ckpt/llama3-8b-rlhf"
+    assert (cfg.train.batch_size, cfg.rollout.batch_size, cfg.rollout.n_samples_per_prompt) == (128, 1024, 1)
+    assert cfg.data.prompt_max_len == 1024 and cfg.rollout.max_new_tokens == 1024 and cfg.max_len == 2048
+    assert cfg.data.max_samples == 100000
+    assert (cfg.actor.adam.lr, cfg.critic.adam.lr) == (5e-7, 9e-6)
+    assert cfg.algo.kl.init_coef == 0.01 and cfg.uses_reference
+    assert cfg.data.prompt_dataset == "OpenRLHF/prompt-collection-v0.1"
+    assert cfg.data.input_key == "context_messages" and cfg.data.apply_chat_template
+    assert cfg.reward.normalize_enable and cfg.actor.gradient_checkpointing_enable and cfg.ds.packing_samples
+    assert cfg.logger.wandb.key == "{wandb_token}"
+    # gae is the default; like OpenRLHF, the critic starts from the reward model.
+    assert cfg.algo.advantage.estimator == "gae"
+    assert cfg.critic.model_name_or_path is None
+    assert cfg.critic_model_name_or_path == "OpenRLHF/Llama-3-8b-rm-700k"
+
+
+@pytest.mark.parametrize("extra", [
+    ["--algo.kl.init_coef", "0"],
+    ["--reward.model_name_or_path", "None", "--reward.remote_url", "http://host:5000/get_reward",
+     "--critic.model_name_or_path", "OpenRLHF/Llama-3-8b-rm-700k"],
+    ["--rollout.n_samples_per_prompt", "4"],
+    ["--rollout.vllm_generate_batch_size", "2048", "--train.async_enable", "--vllm.no_enable_sleep"],
+    ["--algo.advantage.is_correction_enable", "--algo.advantage.is_correction_type", "icepop",
+     "--algo.advantage.is_correction_threshold", "0.5", "5.0"],
+    ["--ckpt.best_metric_key", "eval_default_pass1"],
+    ["--actor.policy_loss_type", "gspo"],
+])
+def test_seed_ppo_advanced_options(extra):
+    cfg = parse_ppo([*ppo_argv(), *extra])
+    assert isinstance(cfg, PPOConfig)
+
+
+def test_seed_ppo_advanced_option_values():
+    cfg = parse_ppo([*ppo_argv(), "--algo.advantage.is_correction_enable",
+                     "--algo.advantage.is_correction_type", "seq-mask-tis",
+                     "--algo.advantage.is_correction_threshold", "0.5", "5.0",
+                     "--ckpt.best_metric_key", "eval_default_pass1", "--actor.policy_loss_type", "gspo"])
+    adv = cfg.algo.advantage
+    assert adv.is_correction_enable and adv.is_correction_type == "seq-mask-tis"
+    assert adv.is_correction_threshold == (0.5, 5.0)
+    assert cfg.ckpt.best_metric_key == "eval_default_pass1" and cfg.actor.policy_loss_type == "gspo"
+    over = parse_ppo([*ppo_argv(), "--rollout.vllm_generate_batch_size", "2048", "--train.async_enable",
+                      "--vllm.no_enable_sleep"])
+    assert over.rollout.generate_batch_size == 2048 and over.train.async_enable
+
+
+@pytest.mark.parametrize("estimator", ADVANTAGE_ESTIMATORS)
+def test_every_advantage_estimator_parses(estimator):
+    extra = ["--algo.advantage.estimator", estimator]
+    if estimator in GROUP_ESTIMATORS:
+        extra += ["--rollout.n_samples_per_prompt", "4"]
+    cfg = parse_ppo([*ppo_argv(), *extra])
+    assert cfg.algo.advantage.estimator == estimator
+    assert (cfg.critic_model_name_or_path is not None) == (estimator == "gae")
+
+
+def test_estimators_are_exactly_openrlhfs():
+    assert set(ADVANTAGE_ESTIMATORS) == {"gae", "reinforce", "reinforce_baseline", "rloo", "group_norm", "dr_grpo"}
+
+
+def _without(argv: list[str], *flags: str) -> list[str]:
+    """``argv`` minus each ``flag`` (and its value when the next word is not a flag)."""
+    out, skip = [], False
+    for i, arg in enumerate(argv):
+        if skip:
+            skip = False
+            continue
+        if arg in flags:
+            skip = i + 1 < len(argv) and not argv[i + 1].startswith("--")
+            continue
+        out.append(arg)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Invalid values and combinations fail loudly, naming the flag
+
+
+@pytest.mark.parametrize(("extra", "flag"), [
+    (["--ds.zero_stage", "5"], "--ds.zero_stage"),
+    (["--train.micro_batch_size", "3"], "--train.micro_batch_size"),
+    (["--algo.advantage.is_correction_threshold", "5.0", "0.5"], "--algo.advantage.is_correction_threshold"),
+    (["--rollout.vllm_generate_batch_size", "2048"], "--train.async_enable"),
+    (["--algo.advantage.estimator", "group_norm"], "--rollout.n_samples_per_prompt"),
+    (["--algo.advantage.estimator", "rloo", "--rollout.n_samples_per_prompt", "4",
+      "--critic.model_name_or_path", "x"], "--critic.model_name_or_path"),
+    (["--data.prompt_dataset", "a,b", "--data.prompt_probs", "0.5,0.4"], "--data.prompt_probs"),
+    (["--data.prompt_dataset", "a,b,c", "--data.prompt_probs", "0.5,0.5"], "--data.prompt_probs"),
+    (["--vllm.num_engines", "2"], "--vllm.num_engines"),
+    (["--critic.num_gpus_per_node", "4"], "--critic.num_gpus_per_node"),
+    (["--train.no_colocate_all"], "--train.colocate_all"),
+    (["--ds.no_packing_samples"], "--ds.packing_samples"),
+    (["--reward.remote_url", "http://h/r"], "--reward.remote_url"),
+    (["--algo.dynamic_filtering_enable"], "--algo.dynamic_filtering_enable"),
+    (["--eval.dataset", "x"], "--eval.dataset"),
+    (["--rollout.top_p", "0"], "--rollout.top_p"),
+    (["--actor.dual_clip", "0.5"], "--actor.dual_clip"),
+    (["--data.input_template", "no placeholder"], "--data.input_template"),
+    (["--algo.kl.init_coef", "0", "--algo.kl.use_loss"], "--algo.kl.use_loss"),
+    (["--train.partial_rollout_enable"], "--train.async_enable"),
+])
+def test_invalid_ppo_combinations_name_the_flag(extra, flag):
+    with pytest.raises(ConfigError) as exc:
+        parse_ppo([*ppo_argv(), *extra])
+    assert flag in str(exc.value)
+
+
+def test_gae_without_any_critic_source_is_an_error():
+    argv = _without(ppo_argv(), "--reward.model_name_or_path")
+    with pytest.raises(ConfigError, match=r"gae needs a critic: set --critic\.model_name_or_path"):
+        parse_ppo([*argv, "--reward.remote_url", "http://h/r"])
+
+
+@pytest.mark.parametrize(("parse", "argv", "extra", "flag"), [
+    (parse_sft, sft_argv, ["--data.multiturn"], "--data.apply_chat_template"),
+    (parse_sft, sft_argv, ["--ds.ring_attn_size", "2", "--ds.no_packing_samples"], "--ds.packing_samples"),
+    (parse_sft, sft_argv, ["--data.dataset", "a,b", "--data.dataset_probs", "0.3,0.3"], "--data.dataset_probs"),
+    (parse_sft, sft_argv, ["--adam.lr", "0"], "--adam.lr"),
+    (parse_sft, sft_argv, ["--lr_warmup_ratio", "1.5"], "--lr_warmup_ratio"),
+    (parse_rm, rm_argv, ["--data.rejected_key", "chosen"], "--data.rejected_key"),
+    (parse_rm, rm_argv, ["--ds.load_in_4bit"], "--ds.lora.rank"),
+    (parse_rm, rm_argv, ["--ds.lora.dropout", "1"], "--ds.lora.dropout"),
+    (parse_rm, rm_argv, ["--data.input_template", "Q: {}"], "--data.apply_chat_template"),
+])
+def test_invalid_supervised_values_name_the_flag(parse, argv, extra, flag):
+    with pytest.raises(ConfigError) as exc:
+        parse([*argv(), *extra])
+    assert flag in str(exc.value)
+
+
+def test_required_model_is_named():
+    with pytest.raises(ConfigError, match=r"--actor\.model_name_or_path is required"):
+        parse_sft(_without(sft_argv(), "--actor.model_name_or_path"))
+
+
+def test_bad_choice_exits_naming_the_flag(capsys):
+    with pytest.raises(SystemExit) as exc:
+        parse_ppo([*ppo_argv(), "--algo.advantage.estimator", "grpo"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "--algo.advantage.estimator" in err and "grpo" in err
+
+
+# ---------------------------------------------------------------------------------------------
+# Retired flags and aliases
+
+
+def test_value_prefix_head_from_the_readme_prose_names_the_new_flag():
+    with pytest.raises(ConfigError, match=r"--value_prefix_head was renamed: use --ds\.value_head_prefix"):
+        parse_rm([*rm_argv(), "--value_prefix_head", "score"])
+
+
+@pytest.mark.parametrize(("parse", "argv", "old", "new"), [
+    (parse_sft, sft_argv, "--pretrain", "--actor.model_name_or_path"),
+    (parse_sft, sft_argv, "--learning_rate", "--adam.lr"),
+    (parse_ppo, ppo_argv, "--actor_learning_rate", "--actor.adam.lr"),
+    (parse_ppo, ppo_argv, "--advantage_estimator", "--algo.advantage.estimator"),
+    (parse_ppo, ppo_argv, "--colocate_all_models", "--train.colocate_all"),
+    (parse_ppo, ppo_argv, "--max_norm", "--actor.max_norm"),
+])
+def test_old_openrlhf_flags_are_errors_naming_the_new_ones(parse, argv, old, new):
+    with pytest.raises(ConfigError) as exc:
+        parse([*argv(), old, "1"])
+    assert old in str(exc.value) and new in str(exc.value)
+
+
+@pytest.mark.parametrize("command", list(COMMANDS))
+def test_renamed_tables_point_at_real_flags_and_never_shadow_one(command):
+    flags = set(command_flags(command))
+    renamed = COMMANDS[command][1]
+    assert not flags & set(renamed), "a retired name is still a live flag"
+    for old, new in renamed.items():
+        for target in new.split(" / "):
+            assert target in flags, f"{command}: {old} -> {target} is not a flag"
+
+
+def test_help_documents_the_aliases(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "120")  # the help box wraps at the terminal width
+    with pytest.raises(SystemExit):
+        parse_ppo(["--help"])
+    out = capsys.readouterr().out
+    assert "--prompt_max_len INT, --data.prompt_max_len INT" in out
+    assert "--generate_max_len {None}|INT, --rollout.max_new_tokens {None}|INT" in out
+    with pytest.raises(SystemExit):
+        parse_rm(["--help"])
+    out = capsys.readouterr().out
+    assert "--chosen_key STR, --data.chosen_key STR" in out and "--rejected_key STR" in out
+
+
+# ---------------------------------------------------------------------------------------------
+# YAML and the pinned flag sets
+
+
+def test_resolved_ppo_config_round_trips_through_yaml(tmp_path):
+    cfg = parse_ppo([*ppo_argv(), "--algo.advantage.is_correction_threshold", "0.25", "4"])
+    path = tmp_path / "config.yaml"
+    dump_yaml(cfg, path, redact=False)
+    assert load_yaml(PPOConfig, path) == cfg
+    redacted = load_yaml(PPOConfig, dump_yaml(cfg))
+    assert redacted.logger.wandb.key is None and "{wandb_token}" not in dump_yaml(cfg)
+
+
+def test_config_file_then_flags(tmp_path):
+    path = tmp_path / "ppo.yaml"
+    dump_yaml(parse_ppo(ppo_argv()), path)
+    cfg = parse_ppo(["--config", str(path), "--algo.advantage.estimator", "rloo",
+                     "--rollout.n_samples_per_prompt", "8", "--actor.adam.lr", "1e-6"])
+    assert cfg.algo.advantage.estimator == "rloo" and cfg.rollout.n_samples_per_prompt == 8
+    assert cfg.actor.adam.lr == 1e-6 and cfg.vllm.num_engines == 4  # the rest from the file
+
+
+@pytest.mark.parametrize("command", list(COMMANDS))
+def test_flag_set_matches_the_snapshot(command):
+    sections = dict(re.findall(r"^\[(\w+)\]\n(.*?)(?=^\[|\Z)", SNAPSHOT.read_text(), flags=re.M | re.S))
+    pinned = sections[command].split()
+    current = command_flags(command)
+    added, removed = sorted(set(current) - set(pinned)), sorted(set(pinned) - set(current))
+    assert current == pinned, f"{command}: added {added}, removed {removed}; see the module docstring"
+
+
+def test_snapshot_file_is_exactly_the_dump(capsys):
+    assert config_main(["--dump-flags"]) == 0
+    assert capsys.readouterr().out == SNAPSHOT.read_text() == flags_snapshot()
+
+
+def test_main_prints_the_resolved_config_or_the_error(capsys):
+    assert config_main(["rm", *rm_argv()]) == 0
+    assert load_yaml(type(parse_rm(rm_argv())), capsys.readouterr().out).data.max_len == 8192
+    assert config_main(["rm", *rm_argv(), "--ds.zero_stage", "4"]) == 2
+    assert "--ds.zero_stage must be 0, 1, 2 or 3, got 4" in capsys.readouterr().err
