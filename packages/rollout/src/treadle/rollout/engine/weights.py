@@ -1,0 +1,279 @@
+"""Engine-side weight loading: what an update must look like, how buckets are laid out, the canary.
+
+Every backend refuses a bad update *before* touching its model, because a reload that fails half
+way leaves a vLLM engine broken (PLATFORM.md). ``WeightSpec`` holds the names, shapes and dtypes
+an update must have: the checkpoint's tensor names and shapes (read from the safetensors headers
+of the model folder, no torch needed) and the engine's serving dtype. A tied model's
+``lm_head.weight`` is accepted and ignored (the embedding is the source of truth).
+
+Buckets: tensors ``lo..hi-1`` of an update are packed into one flat ``uint8`` buffer, tensor ``i``
+at byte ``offset_i = round_up(offset_{i-1} + nbytes_{i-1}, ALIGN)``, so every tensor's view is
+aligned for its dtype and sender and receiver derive the same layout from the header alone.
+
+What this module does not do: move bytes between processes (``group``), or load tensors into a
+model (the engines).
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from treadle.common.errors import BadRequest, InternalError
+
+if TYPE_CHECKING:
+    import torch
+
+ALIGN = 64  # bytes; >= every dtype's size, and a cache line
+TIED_HEAD = "lm_head.weight"
+TIED_SOURCE = "model.embed_tokens.weight"
+
+DTYPE_SIZES: dict[str, int] = {
+    "float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1,
+    "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1,
+}
+FLOAT_DTYPES = frozenset({"float64", "float32", "bfloat16", "float16"})
+# safetensors header dtype codes -> torch dtype names
+_ST_DTYPES = {"F64": "float64", "F32": "float32", "BF16": "bfloat16", "F16": "float16",
+              "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "I64": "int64",
+              "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
+
+
+class WeightMismatch(BadRequest):
+    """An update's names, shapes or dtypes do not fit the engine's model; nothing was loaded."""
+
+
+class CanaryMismatch(InternalError):
+    """The weights loaded, but the engine's canary logprobs differ from the sender's."""
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSpec:
+    """Shape and dtype name of one tensor."""
+
+    shape: tuple[int, ...]
+    dtype: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WeightSpec:
+    """The tensors a weight update must carry (all of ``required``) and may carry (``ignored``)."""
+
+    required: Mapping[str, TensorSpec]
+    ignored: Mapping[str, TensorSpec] = field(default_factory=dict)
+
+    def check_header(self, names: Sequence[str], dtypes: Sequence[str],
+                     shapes: Sequence[Sequence[int]]) -> None:
+        """Raise ``WeightMismatch`` listing every problem unless the header fits exactly."""
+        problems: list[str] = []
+        seen: set[str] = set()
+        for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
+            want = self.required.get(name) or self.ignored.get(name)
+            if name in seen:
+                problems.append(f"{name}: sent twice")
+            elif want is None:
+                problems.append(f"{name}: no such tensor in the model")
+            elif tuple(shape) != want.shape:
+                problems.append(f"{name}: shape {list(shape)}, the model has {list(want.shape)}")
+            elif dtype != want.dtype:
+                problems.append(f"{name}: dtype {dtype}, the engine serves {want.dtype}")
+            seen.add(name)
+        missing = [n for n in self.required if n not in seen]
+        if missing:
+            problems.append(f"missing {len(missing)} tensor(s): {', '.join(missing[:5])}"
+                            + (" ..." if len(missing) > 5 else ""))
+        if problems:
+            more = f" (and {len(problems) - 8} more)" if len(problems) > 8 else ""
+            raise WeightMismatch("weight update refused, nothing was loaded: "
+                                 + "; ".join(problems[:8]) + more)
+
+    def check_tensors(self, names: Sequence[str], dtypes: Sequence[str],
+                      shapes: Sequence[Sequence[int]], tensors: Sequence[Any]) -> None:
+        """Check the header, then that every tensor really has its header's shape and dtype."""
+        if len(tensors) != len(names):
+            raise WeightMismatch(f"weight update refused: {len(names)} names but {len(tensors)} tensors")
+        self.check_header(names, dtypes, shapes)
+        for name, dtype, shape, t in zip(names, dtypes, shapes, tensors, strict=True):
+            got = str(t.dtype).removeprefix("torch.")
+            if tuple(t.shape) != tuple(shape) or got != dtype:
+                raise WeightMismatch(f"weight update refused: tensor {name} is {got}{list(t.shape)}, "
+                                     f"its header says {dtype}{list(shape)}")
+
+    @property
+    def skip(self) -> frozenset[str]:
+        """Names that are accepted but must not be loaded."""
+        return frozenset(self.ignored)
+
+
+def read_safetensors_header(path: Path) -> dict[str, TensorSpec]:
+    """``{name: TensorSpec}`` from one .safetensors file's JSON header (no tensor data read)."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    header.pop("__metadata__", None)
+    return {k: TensorSpec(tuple(v["shape"]), _ST_DTYPES.get(v["dtype"], v["dtype"].lower()))
+            for k, v in header.items()}
+
+
+def spec_from_checkpoint(folder: str | Path, dtype: str | None = None) -> WeightSpec:
+    """The spec of the HF checkpoint in ``folder``; floating tensors take ``dtype`` if given.
+
+    ``dtype`` is the engine's serving dtype: an engine serving bfloat16 wants bfloat16 tensors,
+    whatever the checkpoint on disk holds.
+    """
+    folder = Path(folder)
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{folder}: no *.safetensors files (weight checks read their headers)")
+    specs: dict[str, TensorSpec] = {}
+    for f in files:
+        specs.update(read_safetensors_header(f))
+    if dtype is not None:
+        specs = {k: TensorSpec(v.shape, dtype if v.dtype in FLOAT_DTYPES else v.dtype)
+                 for k, v in specs.items()}
+    config = json.loads((folder / "config.json").read_text()) if (folder / "config.json").exists() else {}
+    ignored: dict[str, TensorSpec] = {}
+    if config.get("tie_word_embeddings") and TIED_SOURCE in specs:
+        ignored[TIED_HEAD] = specs.pop(TIED_HEAD, specs[TIED_SOURCE])
+    return WeightSpec(required=specs, ignored=ignored)
+
+
+def model_eos_ids(folder: str | Path) -> tuple[int, ...]:
+    """EOS ids from ``generation_config.json`` (else ``config.json``) of an HF model folder."""
+    for name in ("generation_config.json", "config.json"):
+        path = Path(folder) / name
+        if path.exists():
+            eos = json.loads(path.read_text()).get("eos_token_id")
+            if eos is not None:
+                return tuple(sorted({eos} if isinstance(eos, int) else set(eos)))
+    return ()
+
+
+def tensor_nbytes(dtype: str, shape: Sequence[int]) -> int:
+    """Bytes of a dense tensor: prod(shape) * itemsize(dtype)."""
+    n = DTYPE_SIZES[dtype]
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+def _round_up(x: int, align: int) -> int:
+    return -(-x // align) * align
+
+
+def bucket_layout(dtypes: Sequence[str], shapes: Sequence[Sequence[int]],
+                  align: int = ALIGN) -> tuple[list[int], int]:
+    """Byte offsets of each tensor in a bucket and the bucket's total size.
+
+    offset_0 = 0; offset_i = round_up(offset_{i-1} + nbytes_{i-1}, align);
+    total = round_up(offset_last + nbytes_last, align).
+    """
+    offsets, end = [], 0
+    for dtype, shape in zip(dtypes, shapes, strict=True):
+        start = _round_up(end, align)
+        offsets.append(start)
+        end = start + tensor_nbytes(dtype, shape)
+    return offsets, _round_up(end, align)
+
+
+def plan_buckets(nbytes: Sequence[int], bucket_bytes: int) -> list[int]:
+    """``bucket_sizes`` for tensors of ``nbytes``: greedy runs of consecutive tensors.
+
+    A bucket takes tensors while its (aligned) size stays <= ``bucket_bytes``; a tensor larger
+    than ``bucket_bytes`` gets a bucket of its own. ``bucket_bytes <= 0``: one tensor per bucket.
+    """
+    if bucket_bytes <= 0:
+        return [1] * len(nbytes)
+    sizes: list[int] = []
+    count = used = 0
+    for nb in nbytes:
+        grown = _round_up(used, ALIGN) + nb
+        if count and grown > bucket_bytes:
+            sizes.append(count)
+            count, grown = 0, nb
+        count, used = count + 1, grown
+    if count:
+        sizes.append(count)
+    return sizes
+
+
+def bucket_ranges(bucket_sizes: Sequence[int], n: int) -> list[tuple[int, int]]:
+    """``[(lo, hi), ...]`` tensor index ranges of each bucket; empty sizes: one tensor each."""
+    sizes = list(bucket_sizes) or [1] * n
+    if sum(sizes) != n or any(s < 1 for s in sizes):
+        raise BadRequest(f"bucket_sizes {sizes[:8]}... must be >= 1 each and sum to {n}")
+    out, lo = [], 0
+    for s in sizes:
+        out.append((lo, lo + s))
+        lo += s
+    return out
+
+
+def _views(flat: torch.Tensor, dtypes: Sequence[str], shapes: Sequence[Sequence[int]],
+           offsets: Sequence[int]) -> list[torch.Tensor]:
+    import torch
+
+    return [flat[o:o + tensor_nbytes(d, s)].view(getattr(torch, d)).view(tuple(s))
+            for d, s, o in zip(dtypes, shapes, offsets, strict=True)]
+
+
+def pack_bucket(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """One flat ``uint8`` buffer holding ``tensors`` at ``bucket_layout`` offsets (a copy)."""
+    import torch
+
+    dtypes = [str(t.dtype).removeprefix("torch.") for t in tensors]
+    shapes = [tuple(t.shape) for t in tensors]
+    offsets, total = bucket_layout(dtypes, shapes)
+    flat = torch.zeros(total, dtype=torch.uint8, device=tensors[0].device if tensors else "cpu")
+    for view, t in zip(_views(flat, dtypes, shapes, offsets), tensors, strict=True):
+        view.copy_(t)
+    return flat
+
+
+def unpack_bucket(dtypes: Sequence[str], shapes: Sequence[Sequence[int]], device: str = "cpu",
+                  flat: torch.Tensor | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """``(flat, views)``: a bucket buffer (new unless given) and each tensor's view into it."""
+    import torch
+
+    offsets, total = bucket_layout(dtypes, shapes)
+    if flat is None:
+        flat = torch.empty(total, dtype=torch.uint8, device=device)
+    elif flat.numel() != total or flat.dtype != torch.uint8:
+        raise WeightMismatch(f"bucket buffer is {flat.dtype}[{flat.numel()}], layout needs uint8[{total}]")
+    return flat, _views(flat, dtypes, shapes, offsets)
+
+
+def as_tensor(a: Any) -> torch.Tensor:
+    """A torch tensor for an array from the wire (numpy arrays are wrapped, not copied)."""
+    import warnings
+
+    import torch
+
+    if isinstance(a, torch.Tensor):
+        return a
+    with warnings.catch_warnings():  # zero-copy wire buffers are read-only; we only read them
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.from_numpy(a)
+
+
+def canary_error(expected: Any, got: Any, tolerance: float) -> str | None:
+    """None when ``max |expected - got| <= tolerance`` (same length), else what differs."""
+    import numpy as np
+
+    e = np.asarray(expected, dtype=np.float64).reshape(-1)
+    g = np.asarray(got, dtype=np.float64).reshape(-1)
+    if e.shape != g.shape:
+        return f"canary has {g.size} prompt logprobs, the sender sent {e.size}"
+    if e.size == 0:
+        return None
+    diff = np.abs(e - g)
+    worst = int(np.argmax(diff))
+    if not diff[worst] <= tolerance:  # also catches NaN
+        return (f"canary prompt logprobs differ from the sender's by up to {diff[worst]:.3g} "
+                f"(position {worst}: sender {e[worst]:.6f}, engine {g[worst]:.6f}; "
+                f"tolerance {tolerance:g})")
+    return None

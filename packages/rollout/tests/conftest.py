@@ -1,0 +1,180 @@
+"""Fixtures of the rollout tests: tiny models, their HF references, one engine per backend.
+
+Each backend is started once per session (vLLM's start costs ~10 s). Tests are plain functions
+that drive the engines through ``aio``, one event loop for the whole session: the engines'
+background tasks run whenever a test awaits something on it. Tests that change an engine's
+weights put the base weights back before they return (``Subject.restore``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import socket
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[3]
+MAX_MODEL_LEN = 2048
+
+
+def _builder() -> Any:
+    """tools/tiny_model.py, loaded by path (tools/ is not a package)."""
+    path = ROOT / "tools" / "tiny_model.py"
+    spec = importlib.util.spec_from_file_location("treadle_tools_tiny_model", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(module)
+    return module
+
+
+class Loop:
+    """One event loop for the session, run on the main thread, one coroutine at a time."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+
+    def __call__(self, coro: Any, timeout: float = 120.0) -> Any:
+        return self.loop.run_until_complete(asyncio.wait_for(coro, timeout))
+
+    def close(self) -> None:
+        self.loop.run_until_complete(self.loop.shutdown_asyncgens())
+        self.loop.close()
+
+
+@dataclass
+class Subject:
+    """An engine under test, and what it needs to go back to the base weights."""
+
+    name: str
+    engine: Any
+    aio: Loop
+    base: dict[str, torch.Tensor]  # the tiny model's checkpoint tensors (what it started with)
+    model_b: Path  # the other tiny model's folder (weights to update to)
+
+    def update(self, tensors: dict[str, torch.Tensor], **kw: Any) -> int:
+        from treadle.common.records import WeightUpdate
+
+        upd = WeightUpdate(version=self.engine.weight_version + 1, names=list(tensors),
+                           dtypes=[str(t.dtype).removeprefix("torch.") for t in tensors.values()],
+                           shapes=[list(t.shape) for t in tensors.values()], tensors=list(tensors.values()), **kw)
+        return self.aio(self.engine.update_weights(upd))
+
+    def restore(self) -> None:
+        self.update(self.base)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def aio() -> Loop:
+    loop = Loop()
+    yield loop
+    loop.close()
+
+
+@pytest.fixture(scope="session")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Two tiny models of one architecture: "a" (seed 0, the engines' base) and "b" (seed 1)."""
+    tiny = _builder()
+    root = tmp_path_factory.mktemp("models")
+    return {name: tiny.build("tiny", root / name, seed=seed).out for name, seed in (("a", 0), ("b", 1))}
+
+
+@pytest.fixture(scope="session")
+def ref(models: dict[str, Path]) -> dict[str, Any]:
+    """The HF models themselves (fp32, eval): the references every engine is checked against."""
+    from transformers import AutoModelForCausalLM
+
+    return {k: AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32).eval() for k, p in models.items()}
+
+
+def checkpoint(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(Path(path) / "model.safetensors"))
+
+
+@pytest.fixture(scope="session")
+def hf_engine(aio: Loop, models: dict[str, Path]) -> Subject:
+    from treadle.rollout.engine import ENGINES
+
+    cls, cfg = ENGINES["hf"]
+    engine = cls(cfg(model=str(models["a"]), max_model_len=MAX_MODEL_LEN, eos_token_ids=()))
+    aio(engine.start())
+    yield Subject("hf", engine, aio, checkpoint(models["a"]), models["b"])
+    aio(engine.close())
+
+
+@pytest.fixture(scope="session")
+def vllm_engine(aio: Loop, models: dict[str, Path]) -> Subject:
+    pytest.importorskip("vllm")
+    from treadle.rollout.engine import ENGINES
+
+    cls, cfg = ENGINES["vllm"]
+    engine = cls(cfg(model=str(models["a"]), max_model_len=MAX_MODEL_LEN, dtype="float32",
+                     enforce_eager=True, eos_token_ids=(), kv_cache_memory_bytes=64 << 20))
+    aio(engine.start(), timeout=300)
+    yield Subject("vllm", engine, aio, checkpoint(models["a"]), models["b"])
+    aio(engine.close())
+
+
+@pytest.fixture(params=["hf", "vllm"])
+def subject(request: pytest.FixtureRequest) -> Subject:
+    return request.getfixturevalue(f"{request.param}_engine")
+
+
+def reference_logprobs(model: Any, prompt: Any, response: Any, temperature: float = 1.0,
+                       top_k: int = -1, top_p: float = 1.0) -> np.ndarray:
+    """float64 [R]: log-prob of each response token under the HF model's processed distribution.
+
+    Written independently of the engines: softmax(logits / T) restricted to the top-k tokens and
+    then to the smallest top set whose mass reaches top_p (ties at the cut kept), renormalised.
+    """
+    p = np.asarray(prompt, dtype=np.int64)
+    r = np.asarray(response, dtype=np.int64)
+    ids = torch.from_numpy(np.concatenate([p, r]))[None]
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(p) - 1:-1].double()
+    out = []
+    for t, tok in enumerate(r.tolist()):
+        z = logits[t] / (temperature if temperature > 0 else 1.0)
+        keep = torch.ones_like(z, dtype=torch.bool)
+        if temperature > 0 and top_k > 0:
+            keep &= z >= torch.topk(z, top_k).values[-1]
+        if temperature > 0 and top_p < 1.0:
+            probs = torch.softmax(z.masked_fill(~keep, -torch.inf), -1)
+            order = torch.argsort(probs, descending=True)
+            mass_before = torch.cumsum(probs[order], 0) - probs[order]
+            kept = order[mass_before < top_p]
+            mask = torch.zeros_like(keep)
+            mask[kept] = True
+            keep &= mask
+        out.append(torch.log_softmax(z.masked_fill(~keep, -torch.inf), -1)[tok].item())
+    return np.asarray(out)
+
+
+def reference_prompt_logprobs(model: Any, ids: Any) -> np.ndarray:
+    x = torch.as_tensor(np.asarray(ids, dtype=np.int64))[None]
+    with torch.no_grad():
+        lp = torch.log_softmax(model(x).logits[0, :-1].double(), -1)
+    return lp.gather(1, x[0, 1:, None]).squeeze(1).numpy()
+
+
+@pytest.fixture(scope="session")
+def tools() -> Any:
+    """The helpers above, for test modules (conftest is not importable under importlib mode)."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(logprobs=reference_logprobs, prompt_logprobs=reference_prompt_logprobs,
+                           checkpoint=checkpoint, free_port=free_port)

@@ -1,0 +1,105 @@
+"""Backend-specific behaviour: the registry, vLLM's engine arguments, CPU sleep, multi-process mode."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from treadle.common.records import GenerateRequest, SamplingParams
+from treadle.rollout.engine import ENGINES
+
+
+def test_registry_is_lazy_and_complete():
+    assert sorted(ENGINES) == ["hf", "vllm"]
+    with pytest.raises(KeyError, match="known"):
+        ENGINES["tgi"]
+    code = ("import sys, treadle.rollout.engine as e; heavy = [m for m in ('torch', 'vllm', 'transformers') "
+            "if m in sys.modules]; assert not heavy, heavy")
+    subprocess.run([sys.executable, "-c", code], check=True, env=None)
+
+
+def test_hf_registry_entry():
+    engine_cls, config_cls = ENGINES["hf"]
+    assert engine_cls.backend == "hf" and config_cls(model="m").device == "cpu"
+
+
+def test_vllm_engine_args_apply_cpu_rules():
+    pytest.importorskip("vllm")
+    from treadle.rollout.engine.vllm_engine import (
+        CPU_KV_CACHE_BYTES,
+        EXTENSION,
+        VllmEngineConfig,
+        engine_args,
+    )
+
+    cfg = VllmEngineConfig(model="m", max_model_len=4096, tensor_parallel_size=2)
+    cpu = engine_args(cfg, on_cpu=True)
+    assert cpu["enable_chunked_prefill"] is False and cpu["max_num_batched_tokens"] >= 4096
+    assert cpu["kv_cache_memory_bytes"] == CPU_KV_CACHE_BYTES and cpu["tensor_parallel_size"] == 2
+    assert cpu["worker_extension_cls"] == EXTENSION and cpu["logprobs_mode"] == "processed_logprobs"
+    gpu = engine_args(cfg, on_cpu=False)
+    assert "enable_chunked_prefill" not in gpu and "kv_cache_memory_bytes" not in gpu
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        VllmEngineConfig(model="m", max_model_len=4096, max_num_batched_tokens=1024, enable_chunked_prefill=False)
+
+
+def test_vllm_sleep_on_cpu_says_it_only_pauses(vllm_engine):
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        pytest.skip("CPU behaviour")
+    state = vllm_engine.aio(vllm_engine.engine.sleep(2))
+    vllm_engine.aio(vllm_engine.engine.wake())
+    assert not state.memory_released and not state.weights_dropped
+    assert "not supported" in state.note and "paused" in state.note
+    assert not vllm_engine.engine.stats().broken
+
+
+@pytest.mark.slow
+def test_vllm_multiprocess_mode_generates_and_updates(models, ref, tools):
+    """Workers in their own process (the daemon's mode on GPU): same results, same weight path."""
+    pytest.importorskip("vllm")
+    from treadle.common.records import WeightUpdate
+    from treadle.rollout.engine.vllm_engine import VllmEngine, VllmEngineConfig
+
+    async def scenario():
+        engine = VllmEngine(VllmEngineConfig(model=str(models["a"]), dtype="float32", enforce_eager=True,
+                                             max_model_len=512, multiprocess=True, eos_token_ids=(),
+                                             kv_cache_memory_bytes=64 << 20, engine_id="vllm-mp"))
+        async with engine:
+            prompt = np.arange(3, 20, dtype=np.int32)
+            req = GenerateRequest(prompt_token_ids=prompt, sampling=SamplingParams(n=2, max_tokens=12, seed=1))
+            res = [r async for r in engine.generate(req)]
+            b = tools.checkpoint(models["b"])
+            await engine.update_weights(WeightUpdate(version=1, names=list(b), dtypes=["float32"] * len(b),
+                                                     shapes=[list(t.shape) for t in b.values()], tensors=list(b.values())))
+            return prompt, res, await engine.prompt_logprobs(prompt)
+
+    prompt, res, after = asyncio.run(scenario())
+    for r in res:
+        assert np.abs(tools.logprobs(ref["a"], prompt, r.response_token_ids) - r.logprobs).max() <= 1e-4
+    assert np.abs(after - tools.prompt_logprobs(ref["b"], prompt)).max() <= 1e-4
+
+
+def test_hf_close_answers_every_in_flight_sample(models):
+    from treadle.rollout.engine.hf_engine import HfEngine, HfEngineConfig
+
+    async def scenario():
+        engine = HfEngine(HfEngineConfig(model=str(models["a"]), eos_token_ids=()))
+        await engine.start()
+        req = GenerateRequest(prompt_token_ids=np.arange(3, 9, dtype=np.int32),
+                              sampling=SamplingParams(n=2, max_tokens=1500, seed=0))
+        task = asyncio.create_task(_collect(engine, req))
+        while engine.stats().running == 0:
+            await asyncio.sleep(0.01)
+        await engine.close()
+        return await asyncio.wait_for(task, 10)
+
+    assert [r.finish_reason for r in asyncio.run(scenario())] == ["abort", "abort"]
+
+
+async def _collect(engine, req):
+    return [r async for r in engine.generate(req)]

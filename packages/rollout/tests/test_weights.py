@@ -1,0 +1,150 @@
+"""Weight-update plumbing without an engine: checks, bucket layout, packing, canary, the group."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+from treadle.common.errors import BadRequest
+from treadle.rollout.engine.group import GroupSpec, WeightGroup, receive_buckets, send_buckets
+from treadle.rollout.engine.weights import (
+    TensorSpec,
+    WeightMismatch,
+    WeightSpec,
+    bucket_layout,
+    bucket_ranges,
+    canary_error,
+    model_eos_ids,
+    pack_bucket,
+    plan_buckets,
+    spec_from_checkpoint,
+    unpack_bucket,
+)
+
+
+def test_bucket_layout_aligns_every_tensor_to_64_bytes():
+    # nbytes: float32[3] = 12, bfloat16[5] = 10, int64[1] = 8; offsets 0, round_up(12)=64, round_up(74)=128
+    offsets, total = bucket_layout(["float32", "bfloat16", "int64"], [[3], [5], [1]])
+    assert offsets == [0, 64, 128] and total == 192  # round_up(128 + 8, 64)
+
+
+def test_plan_buckets_is_greedy_and_isolates_big_tensors():
+    # 100 -> 100; +100 -> round_up(100)+100 = 228 <= 256; +100 -> 256+100 > 256: new bucket;
+    # 500 alone (> 256); 10 after 500 -> 512+10 > 256: new bucket.
+    assert plan_buckets([100, 100, 100, 500, 10], 256) == [2, 1, 1, 1]
+    assert plan_buckets([100, 100, 100], 1 << 20) == [3]
+    assert plan_buckets([1, 2, 3], 0) == [1, 1, 1]
+    assert bucket_ranges([2, 1], 3) == [(0, 2), (2, 3)] and bucket_ranges([], 2) == [(0, 1), (1, 2)]
+    with pytest.raises(BadRequest):
+        bucket_ranges([2, 2], 3)
+
+
+def _mixed():
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(3, 5, generator=g), torch.randn(7, generator=g).bfloat16(),
+            torch.randint(-9, 9, (4, 2), generator=g), torch.zeros(0), torch.tensor([True, False, True]),
+            torch.randn(2, 3, generator=g).half()]
+
+
+def _bits(t):
+    return t.contiguous().reshape(-1).view(torch.uint8).tolist()
+
+
+def test_pack_then_unpack_is_bit_identical():
+    tensors = _mixed()
+    flat = pack_bucket(tensors)
+    _, views = unpack_bucket([str(t.dtype)[6:] for t in tensors], [list(t.shape) for t in tensors], flat=flat.clone())
+    assert [(_bits(a), a.dtype, a.shape) for a in tensors] == [(_bits(b), b.dtype, b.shape) for b in views]
+
+
+def test_group_broadcast_delivers_bit_identical_tensors():
+    tensors = _mixed()
+    dtypes, shapes = [str(t.dtype)[6:] for t in tensors], [list(t.shape) for t in tensors]
+    sizes = plan_buckets([t.numel() * t.element_size() for t in tensors], 100)
+    port = _free_port()
+    got: list = []
+
+    def receiver():
+        g = WeightGroup(GroupSpec(host="127.0.0.1", port=port, world_size=2, rank=1, timeout_s=30))
+        got.extend((n, t.clone()) for n, t in receive_buckets(g, [f"t{i}" for i in range(6)], dtypes, shapes,
+                                                             sizes, skip=frozenset({"t1"})))
+        g.close()
+
+    t = threading.Thread(target=receiver)
+    t.start()
+    sender = WeightGroup(GroupSpec(host="127.0.0.1", port=port, world_size=2, rank=0, timeout_s=30))
+    send_buckets(sender, tensors, sizes)
+    t.join(30)
+    sender.close()
+    assert len(sizes) > 1 and [n for n, _ in got] == ["t0", "t2", "t3", "t4", "t5"]
+    assert [_bits(x) for _, x in got] == [_bits(tensors[i]) for i in (0, 2, 3, 4, 5)]
+
+
+def test_group_spec_validates():
+    with pytest.raises(BadRequest, match="unknown keys"):
+        GroupSpec.from_dict({"host": "h", "port": 1, "world_size": 2, "rank": 1, "colour": "red"})
+    with pytest.raises(BadRequest, match="world_size"):
+        GroupSpec(host="h", port=1, world_size=1, rank=0)
+    with pytest.raises(BadRequest, match="rank"):
+        GroupSpec(host="h", port=1, world_size=2, rank=2)
+    spec = GroupSpec(host="h", port=5, world_size=3, rank=1, backend="nccl")
+    assert GroupSpec.from_dict(spec.as_dict()) == spec and spec.with_rank(2).rank == 2
+
+
+SPEC = WeightSpec(required={"a": TensorSpec((2, 3), "float32"), "b": TensorSpec((4,), "float32")},
+                  ignored={"lm_head.weight": TensorSpec((2, 3), "float32")})
+
+
+def test_spec_accepts_exact_header_and_tied_head():
+    SPEC.check_header(["b", "a"], ["float32"] * 2, [[4], [2, 3]])
+    SPEC.check_header(["a", "b", "lm_head.weight"], ["float32"] * 3, [[2, 3], [4], [2, 3]])
+    assert SPEC.skip == {"lm_head.weight"}
+
+
+@pytest.mark.parametrize("names,dtypes,shapes,message", [
+    (["a", "b", "c"], ["float32"] * 3, [[2, 3], [4], [1]], "c: no such tensor"),
+    (["a", "b"], ["float32"] * 2, [[3, 2], [4]], r"a: shape \[3, 2\], the model has \[2, 3\]"),
+    (["a", "b"], ["float32", "bfloat16"], [[2, 3], [4]], "b: dtype bfloat16, the engine serves float32"),
+    (["a"], ["float32"], [[2, 3]], "missing 1 tensor.*: b"),
+    (["a", "a", "b"], ["float32"] * 3, [[2, 3], [2, 3], [4]], "a: sent twice"),
+])
+def test_spec_refuses_with_a_message_naming_the_problem(names, dtypes, shapes, message):
+    with pytest.raises(WeightMismatch, match=message):
+        SPEC.check_header(names, dtypes, shapes)
+
+
+def test_spec_checks_tensors_against_their_header():
+    with pytest.raises(WeightMismatch, match="tensor b is float64"):
+        SPEC.check_tensors(["a", "b"], ["float32"] * 2, [[2, 3], [4]], [torch.zeros(2, 3), np.zeros(4)])
+    SPEC.check_tensors(["a", "b"], ["float32"] * 2, [[2, 3], [4]], [torch.zeros(2, 3), np.zeros(4, np.float32)])
+
+
+def test_spec_from_checkpoint_reads_safetensors_headers(models):
+    spec = spec_from_checkpoint(models["a"])
+    assert spec.required["model.embed_tokens.weight"] == TensorSpec((512, 64), "float32")
+    assert len(spec.required) == 26 and set(spec.ignored) == {"lm_head.weight"}  # tied: 1 + 2*12 + 1
+    assert {s.dtype for s in spec_from_checkpoint(models["a"], dtype="bfloat16").required.values()} == {"bfloat16"}
+
+
+def test_model_eos_ids_come_from_generation_config(models, tmp_path):
+    assert model_eos_ids(models["a"]) == (0, 2)  # the tiny model's <|endoftext|>, <|im_end|>
+    (tmp_path / "config.json").write_text('{"eos_token_id": 7}')
+    assert model_eos_ids(tmp_path) == (7,)
+
+
+def test_canary_error():
+    e = np.array([-1.0, -2.0, -3.0])
+    assert canary_error(e, e + 5e-4, 1e-3) is None
+    assert "position 1" in canary_error(e, e + np.array([0, 0.5, 0]), 1e-3)
+    assert canary_error(e, np.array([-1.0, np.nan, -3.0]), 1e-3) is not None
+    assert "2 prompt logprobs" in canary_error(e, e[:2], 1e-3)
+
+
+def _free_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
