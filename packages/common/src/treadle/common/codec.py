@@ -223,7 +223,7 @@ def _ext_hook(code: int, data: memoryview) -> Any:
         index = parts[0]
         if not 1 <= index < len(frames):
             raise CodecError(f"array refers to frame {index}, but the message has {len(frames)} frames")
-        _tls.used.add(index)
+        _tls.used.add(index)  # a set whenever the message has more than one frame
         return _make_array(frames[index], parts[1], parts[2], parts[3], f"frame {index}")
     raise CodecError(f"unknown msgpack extension type {code}")
 
@@ -241,9 +241,13 @@ def _body_decoder(type_name: str) -> msgspec.msgpack.Decoder:
     return dec
 
 
-def _as_buffer(frame: Any) -> memoryview:
-    buf = getattr(frame, "buffer", None)  # zmq.Frame received with copy=False
-    return memoryview(buf if buf is not None else frame).cast("B")
+def _as_buffer(frame: Any) -> bytes | memoryview:
+    """A flat byte view of a frame (bytes, zmq.Frame received with copy=False, ndarray, ...)."""
+    if type(frame) is bytes:
+        return frame
+    buf = getattr(frame, "buffer", None)  # zmq.Frame
+    mv = memoryview(buf if buf is not None else frame)
+    return mv if mv.format == "B" and mv.ndim == 1 else mv.cast("B")
 
 
 def peek_header(frame0: Any) -> Envelope:
@@ -269,22 +273,25 @@ def decode(frames: Sequence[Any], *, max_frame_bytes: int | None = None) -> Mess
         raise VersionMismatch(f"peer speaks treadle protocol v{env.v}; this side speaks v{PROTOCOL_MAJOR}")
     if env.op not in OPS:
         raise CodecError(f"unknown op {env.op[:40]!r}; expected one of {sorted(OPS)}")
-    msg = None
-    if env.type:
-        decoder = _body_decoder(env.type)
-        _tls.frames, _tls.used = bufs, set()
-        try:
-            msg = decoder.decode(env.body)
-        except CodecError:
-            raise
-        except (msgspec.DecodeError, msgspec.ValidationError, TypeError, ValueError) as e:
-            raise CodecError(f"bad {env.type} body: {e}") from None
-        finally:
-            used, _tls.frames, _tls.used = _tls.used, (), set()
-        if len(used) != len(bufs) - 1:
-            raise CodecError(f"message has {len(bufs) - 1} buffer frames but the body refers to {len(used)}")
-    elif len(bufs) > 1:
-        raise CodecError(f"message without a body carries {len(bufs) - 1} extra frames")
+    if not env.type:
+        if len(bufs) > 1:
+            raise CodecError(f"message without a body carries {len(bufs) - 1} extra frames")
+        return Message(v=env.v, id=env.id, op=env.op, method=env.method, msg=None)
+    decoder = _BODY_DECODERS.get(env.type) or _body_decoder(env.type)
+    # One frame (the common small request): any buffer reference is out of range by itself, so no
+    # bookkeeping of which frames were used is needed.
+    used: set[int] | None = set() if len(bufs) > 1 else None
+    _tls.frames, _tls.used = bufs, used
+    try:
+        msg = decoder.decode(env.body)
+    except CodecError:
+        raise
+    except (msgspec.DecodeError, msgspec.ValidationError, TypeError, ValueError) as e:
+        raise CodecError(f"bad {env.type} body: {e}") from None
+    finally:
+        _tls.frames = _tls.used = None
+    if used is not None and len(used) != len(bufs) - 1:
+        raise CodecError(f"message has {len(bufs) - 1} buffer frames but the body refers to {len(used)}")
     return Message(v=env.v, id=env.id, op=env.op, method=env.method, msg=msg)
 
 
