@@ -16,7 +16,8 @@ from collections import defaultdict
 
 
 def rows(path: str) -> list[tuple[str, str, float, float | None, str]]:
-    data = json.load(open(path))
+    with open(path) as fh:
+        data = json.load(fh)
     groups: dict[str, list[dict]] = defaultdict(list)
     for b in data["benchmarks"]:
         groups[b.get("group") or b["name"]].append(b)

@@ -17,8 +17,17 @@ import numpy as np
 
 from treadle.common.codec import PROTOCOL_MAJOR, encode
 from treadle.common.records import (
-    Ack, Control, Error, GenerateRequest, GenerateResult, RewardRequest, RewardResult,
-    SamplingParams, Trajectory, TrajectoryBatch, WeightUpdate,
+    Ack,
+    Control,
+    Error,
+    GenerateRequest,
+    GenerateResult,
+    RewardRequest,
+    RewardResult,
+    SamplingParams,
+    Trajectory,
+    TrajectoryBatch,
+    WeightUpdate,
 )
 
 GOLDEN_DIR = Path(__file__).parent / "goldens"

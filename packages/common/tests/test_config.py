@@ -7,6 +7,7 @@ import dataclasses
 from typing import Annotated, Literal
 
 import pytest
+
 from treadle.common.config import (
     ConfigError,
     alias,

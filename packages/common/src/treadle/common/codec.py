@@ -131,7 +131,7 @@ def _enc_hook(obj: Any) -> Any:
     try:
         arr, name, lib = _array_parts(obj)
     except TypeError:
-        raise NotImplementedError(f"treadle codec cannot encode {type(obj).__name__}: no pickle on the wire")
+        raise NotImplementedError(f"treadle codec cannot encode {type(obj).__name__}: no pickle on the wire") from None
     shape = list(arr.shape)
     if arr.nbytes < _tls.inline_max or arr.nbytes == 0:
         return msgspec.msgpack.Ext(EXT_INLINE, msgspec.msgpack.encode([name, shape, lib, arr.tobytes()]))

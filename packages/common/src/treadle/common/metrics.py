@@ -102,10 +102,10 @@ def plot_curves(jsonl: str | Path, png: str | Path, keys: Iterable[str] | None =
     cols = min(3, max(1, len(names)))
     nrows = max(1, math.ceil(len(names) / cols))
     fig, axes = plt.subplots(nrows, cols, figsize=(4.5 * cols, 3.2 * nrows), squeeze=False)
-    for ax, name in zip(axes.flat, names):
+    for ax, name in zip(axes.flat, names, strict=False):
         pts = [(r["step"], r[name]) for r in rows if name in r]
         if pts:
-            ax.plot(*zip(*pts), marker="." if len(pts) < 50 else None)
+            ax.plot(*zip(*pts, strict=True), marker="." if len(pts) < 50 else None)
         ax.set_title(name, fontsize=9)
         ax.set_xlabel("step", fontsize=8)
         ax.grid(alpha=0.3)
