@@ -19,6 +19,7 @@ import shlex
 from pathlib import Path
 
 import pytest
+
 from treadle.common.config import ConfigError, dump_yaml, load_yaml
 from treadle.trainer.config import (
     ADVANTAGE_ESTIMATORS,
@@ -465,3 +466,24 @@ def test_main_prints_the_resolved_config_or_the_error(capsys):
     assert load_yaml(type(parse_rm(rm_argv())), capsys.readouterr().out).data.max_len == 8192
     assert config_main(["rm", *rm_argv(), "--ds.zero_stage", "4"]) == 2
     assert "--ds.zero_stage must be 0, 1, 2 or 3, got 4" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------
+# DPO / KTO
+
+
+def test_dpo_and_kto_commands_parse_and_check_their_losses():
+    from treadle.trainer.config import parse_dpo, parse_kto
+
+    base = ["--actor.model_name_or_path", "m", "--data.dataset", "d.jsonl"]
+    dpo = parse_dpo([*base, "--actor.loss_type", "ipo", "--actor.beta", "0.3", "--ref.precompute_enable",
+                     "--chosen_key", "good"])
+    assert (dpo.actor.loss_type, dpo.actor.beta, dpo.ref.precompute_enable, dpo.data.chosen_key) == ("ipo", 0.3, True, "good")
+    with pytest.raises(ConfigError, match="--actor.label_smoothing .cDPO. applies to --actor.loss_type sigmoid"):
+        parse_dpo([*base, "--actor.loss_type", "ipo", "--actor.label_smoothing", "0.1"])
+    kto = parse_kto([*base, "--data.label_key", "ok", "--actor.undesirable_weight", "1.5"])
+    assert kto.data.label_key == "ok" and kto.actor.undesirable_weight == 1.5
+    with pytest.raises(ConfigError, match="--train.batch_size must be >= 2"):
+        parse_kto([*base, "--train.batch_size", "1", "--train.micro_batch_size", "1"])
+    with pytest.raises(ConfigError, match="--ipo was renamed: use --actor.loss_type"):
+        parse_dpo([*base, "--ipo"])

@@ -1,7 +1,8 @@
 """Typed configuration of the training commands and their command lines (no torch, no deepspeed).
 
-``parse_sft(argv)``, ``parse_rm(argv)`` and ``parse_ppo(argv)`` return a validated, frozen
-``SFTConfig`` / ``RMConfig`` / ``PPOConfig`` from OpenRLHF-style dotted flags
+``parse_sft(argv)``, ``parse_rm(argv)``, ``parse_dpo(argv)``, ``parse_kto(argv)`` and
+``parse_ppo(argv)`` return a validated, frozen ``SFTConfig`` / ``RMConfig`` / ``DPOConfig`` /
+``KTOConfig`` / ``PPOConfig`` from OpenRLHF-style dotted flags
 (``--actor.model_name_or_path X --ds.zero_stage 3 --train.colocate_all``), a ``--config``
 YAML file of defaults, or both. Groups live in one module per concern: ``model`` (actor,
 critic, ref, reward), ``optim``, ``deepspeed`` (``ds``), ``data``, ``train``, ``rollout`` (+
@@ -20,19 +21,27 @@ from typing import Any
 
 from treadle.common.config import ConfigError, dump_yaml, flag_names, load_yaml, parse
 from treadle.trainer.config.algo import ADVANTAGE_ESTIMATORS, GROUP_ESTIMATORS, AdvantageEstimator
-from treadle.trainer.config.commands import PPOConfig, RMConfig, SFTConfig
-from treadle.trainer.config.renamed import RENAMED_PPO, RENAMED_RM, RENAMED_SFT
+from treadle.trainer.config.commands import DPOConfig, KTOConfig, PPOConfig, RMConfig, SFTConfig
+from treadle.trainer.config.renamed import (
+    RENAMED_DPO,
+    RENAMED_KTO,
+    RENAMED_PPO,
+    RENAMED_RM,
+    RENAMED_SFT,
+)
 
 COMMANDS: Mapping[str, tuple[type, Mapping[str, str]]] = MappingProxyType({
     "sft": (SFTConfig, RENAMED_SFT),
     "rm": (RMConfig, RENAMED_RM),
+    "dpo": (DPOConfig, RENAMED_DPO),
+    "kto": (KTOConfig, RENAMED_KTO),
     "ppo": (PPOConfig, RENAMED_PPO),
 })
 """Command name -> (config class, retired flags)."""
 
 
 def parse_command(command: str, argv: Sequence[str] | None = None) -> Any:
-    """The validated config of ``command`` ("sft", "rm", "ppo") from ``argv`` (``sys.argv[1:]`` if None)."""
+    """The validated config of ``command`` ("sft", "rm", "dpo", "kto", "ppo") from ``argv`` (``sys.argv[1:]`` if None)."""
     cls, renamed = COMMANDS[command]
     return parse(cls, argv, prog=f"treadle-train {command}", renamed=renamed)
 
@@ -45,6 +54,16 @@ def parse_sft(argv: Sequence[str] | None = None) -> SFTConfig:
 def parse_rm(argv: Sequence[str] | None = None) -> RMConfig:
     """``RMConfig`` from the command line of ``treadle-train rm``."""
     return parse_command("rm", argv)
+
+
+def parse_dpo(argv: Sequence[str] | None = None) -> DPOConfig:
+    """``DPOConfig`` from the command line of ``treadle-train dpo``."""
+    return parse_command("dpo", argv)
+
+
+def parse_kto(argv: Sequence[str] | None = None) -> KTOConfig:
+    """``KTOConfig`` from the command line of ``treadle-train kto``."""
+    return parse_command("kto", argv)
 
 
 def parse_ppo(argv: Sequence[str] | None = None) -> PPOConfig:
@@ -65,6 +84,7 @@ def flags_snapshot(commands: Sequence[str] | None = None) -> str:
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS", "COMMANDS", "GROUP_ESTIMATORS", "AdvantageEstimator", "ConfigError",
-    "PPOConfig", "RMConfig", "SFTConfig", "command_flags", "dump_yaml", "flags_snapshot", "load_yaml",
-    "parse_command", "parse_ppo", "parse_rm", "parse_sft",
+    "DPOConfig", "KTOConfig", "PPOConfig", "RMConfig", "SFTConfig", "command_flags", "dump_yaml",
+    "flags_snapshot", "load_yaml", "parse_command", "parse_dpo", "parse_kto", "parse_ppo", "parse_rm",
+    "parse_sft",
 ]

@@ -1,11 +1,11 @@
-"""Top-level configs of the training commands: ``SFTConfig``, ``RMConfig``, ``PPOConfig``.
+"""Top-level configs of the training commands: ``SFTConfig``, ``RMConfig``, ``DPOConfig``,
+``KTOConfig``, ``PPOConfig``.
 
 Each composes only the groups its recipe reads, sets recipe defaults on them (learning rates,
 batch sizes, checkpoint folders), and checks the combinations across groups in
 ``__post_init__``. Values that OpenRLHF patched after parsing (the critic's starting weights,
 the total length budget) stay as given; the value in effect is a property here
-(``critic_model_name_or_path``, ``max_len``). A DPO/KTO config would be another class of the
-same shape: ``OptimizerConfig`` fields + ``actor``, ``ref``, ``data: PreferenceDataConfig``, ...
+(``critic_model_name_or_path``, ``max_len``).
 """
 
 from __future__ import annotations
@@ -13,12 +13,20 @@ from __future__ import annotations
 from treadle.common.config import ConfigError, configclass
 from treadle.trainer.config.algo import GROUP_ESTIMATORS, AlgoConfig
 from treadle.trainer.config.ckpt import CheckpointConfig
-from treadle.trainer.config.data import PreferenceDataConfig, PromptDataConfig, SFTDataConfig
+from treadle.trainer.config.data import (
+    KTODataConfig,
+    PreferenceDataConfig,
+    PromptDataConfig,
+    SFTDataConfig,
+)
 from treadle.trainer.config.deepspeed import DeepSpeedConfig
 from treadle.trainer.config.eval import EvalConfig, RLEvalConfig
 from treadle.trainer.config.logger import LoggerConfig, WandbConfig
 from treadle.trainer.config.model import (
     CriticConfig,
+    DPOModelConfig,
+    FrozenRefConfig,
+    KTOModelConfig,
     PolicyConfig,
     RefConfig,
     RewardConfig,
@@ -33,6 +41,17 @@ from treadle.trainer.config.train import RLTrainConfig, TrainConfig
 def _require(value: object, flag: str) -> None:
     if not value:
         raise ConfigError(f"{flag} is required")
+
+
+def _check_supervised(cfg: SFTConfig | RMConfig | DPOConfig | KTOConfig) -> None:
+    """Checks every single-model recipe shares: required paths, batching, evaluation."""
+    OptimizerConfig.__post_init__(cfg)
+    _require(cfg.actor.model_name_or_path, "--actor.model_name_or_path")
+    _require(cfg.data.dataset, "--data.dataset")
+    if cfg.train.dynamic_batch_enable and not cfg.ds.packing_samples:
+        raise ConfigError("--train.dynamic_batch_enable needs --ds.packing_samples")
+    if cfg.ckpt.best_metric_key not in ("", "none") and not cfg.eval.dataset:
+        raise ConfigError(f"--ckpt.best_metric_key {cfg.ckpt.best_metric_key} needs --eval.dataset")
 
 
 @configclass
@@ -59,9 +78,7 @@ class SFTConfig(OptimizerConfig):
     """Set by the deepspeed launcher (--local_rank=N); torchrun uses LOCAL_RANK instead."""
 
     def __post_init__(self) -> None:
-        OptimizerConfig.__post_init__(self)
-        _require(self.actor.model_name_or_path, "--actor.model_name_or_path")
-        _require(self.data.dataset, "--data.dataset")
+        _check_supervised(self)
 
 
 @configclass
@@ -88,9 +105,67 @@ class RMConfig(OptimizerConfig):
     """Set by the deepspeed launcher (--local_rank=N); torchrun uses LOCAL_RANK instead."""
 
     def __post_init__(self) -> None:
-        OptimizerConfig.__post_init__(self)
-        _require(self.actor.model_name_or_path, "--actor.model_name_or_path")
-        _require(self.data.dataset, "--data.dataset")
+        _check_supervised(self)
+
+
+@configclass
+class DPOConfig(OptimizerConfig):
+    """Direct preference optimisation (DPO, IPO, cDPO) on preference pairs against a frozen reference."""
+
+    adam: AdamConfig = AdamConfig(lr=5e-7)
+    """AdamW settings."""
+    actor: DPOModelConfig = DPOModelConfig()
+    """The policy being trained, and the preference loss."""
+    ref: FrozenRefConfig = FrozenRefConfig()
+    """The frozen reference policy."""
+    data: PreferenceDataConfig = PreferenceDataConfig()
+    """Training data."""
+    train: TrainConfig = TrainConfig()
+    """Loop shape."""
+    ds: DeepSpeedConfig = DeepSpeedConfig()
+    """DeepSpeed, precision, packing, LoRA."""
+    ckpt: CheckpointConfig = CheckpointConfig(path="./ckpt/checkpoints_dpo")
+    """Checkpoints."""
+    logger: LoggerConfig = LoggerConfig(wandb=WandbConfig(project="treadle_dpo"))
+    """Metric logging."""
+    eval: EvalConfig = EvalConfig()
+    """Held-out evaluation."""
+    local_rank: int = -1
+    """Set by the deepspeed launcher (--local_rank=N); torchrun uses LOCAL_RANK instead."""
+
+    def __post_init__(self) -> None:
+        _check_supervised(self)
+
+
+@configclass
+class KTOConfig(OptimizerConfig):
+    """Kahneman-Tversky optimisation on unpaired (prompt, answer, desirable?) rows against a frozen reference."""
+
+    adam: AdamConfig = AdamConfig(lr=5e-7)
+    """AdamW settings."""
+    actor: KTOModelConfig = KTOModelConfig()
+    """The policy being trained, and the KTO loss weights."""
+    ref: FrozenRefConfig = FrozenRefConfig()
+    """The frozen reference policy."""
+    data: KTODataConfig = KTODataConfig()
+    """Training data."""
+    train: TrainConfig = TrainConfig()
+    """Loop shape."""
+    ds: DeepSpeedConfig = DeepSpeedConfig()
+    """DeepSpeed, precision, packing, LoRA."""
+    ckpt: CheckpointConfig = CheckpointConfig(path="./ckpt/checkpoints_kto")
+    """Checkpoints."""
+    logger: LoggerConfig = LoggerConfig(wandb=WandbConfig(project="treadle_kto"))
+    """Metric logging."""
+    eval: EvalConfig = EvalConfig()
+    """Held-out evaluation."""
+    local_rank: int = -1
+    """Set by the deepspeed launcher (--local_rank=N); torchrun uses LOCAL_RANK instead."""
+
+    def __post_init__(self) -> None:
+        _check_supervised(self)
+        if self.train.batch_size < 2:
+            raise ConfigError("KTO estimates its KL baseline from mismatched pairs of a batch: --train.batch_size must be >= 2")
 
 
 @configclass

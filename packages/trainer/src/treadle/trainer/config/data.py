@@ -88,7 +88,7 @@ class SFTDataConfig(TextDataConfig):
     multiturn: bool = False
     """Learn every assistant turn of a conversation (needs apply_chat_template)."""
     max_len: int = 2048
-    """Longest sample in tokens; longer ones are dropped."""
+    """Longest sample in tokens; longer ones are truncated (a sample left without target tokens is dropped)."""
 
     def __post_init__(self) -> None:
         _check_text(self)
@@ -115,14 +115,44 @@ class PreferenceDataConfig(TextDataConfig):
     """Row key of the preferred answer (also --chosen_key, as in OpenRLHF's README)."""
     rejected_key: Annotated[str, alias("--rejected_key")] = "rejected"
     """Row key of the dispreferred answer (also --rejected_key, as in OpenRLHF's README)."""
+    margin_key: str = "margin"
+    """Row key of the per-pair margin (read only with the reward model's margin loss)."""
     max_len: int = 512
-    """Longest prompt + answer in tokens."""
+    """Longest prompt + answer in tokens; longer sequences are truncated."""
 
     def __post_init__(self) -> None:
         _check_text(self)
         check_mixture("--dataset", self.dataset, "--dataset_probs", self.dataset_probs)
         if self.chosen_key == self.rejected_key:
             raise ConfigError(f"--chosen_key and --rejected_key are both {self.chosen_key!r}")
+        if self.max_len < 1:
+            raise ConfigError(f"--max_len must be >= 1, got {self.max_len}")
+
+
+@configclass
+class KTODataConfig(TextDataConfig):
+    """KTO rows: a prompt, one answer, and whether that answer is desirable (unpaired feedback)."""
+
+    dataset: str | None = None
+    """Training dataset(s): HF names or local paths, comma-separated (required)."""
+    dataset_probs: str | None = None
+    """Mixing probabilities, one per dataset, comma-separated; None: uniform."""
+    dataset_split: str = "train"
+    """Split to read."""
+    input_key: str = "input"
+    """Row key of the prompt (a string, or messages with apply_chat_template)."""
+    output_key: str = "output"
+    """Row key of the answer."""
+    label_key: str = "label"
+    """Row key of the desirability label (true / false, or 1 / 0)."""
+    max_len: int = 512
+    """Longest prompt + answer in tokens; longer sequences are truncated."""
+
+    def __post_init__(self) -> None:
+        _check_text(self)
+        check_mixture("--dataset", self.dataset, "--dataset_probs", self.dataset_probs)
+        if len({self.input_key, self.output_key, self.label_key}) < 3:
+            raise ConfigError("--input_key, --output_key and --label_key must be three different keys")
         if self.max_len < 1:
             raise ConfigError(f"--max_len must be >= 1, got {self.max_len}")
 

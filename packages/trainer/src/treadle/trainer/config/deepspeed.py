@@ -46,9 +46,11 @@ class DeepSpeedConfig:
     zpg: int = 1
     """ZeRO++ hierarchical partition size (1: off)."""
     adam_offload: bool = False
-    """Keep optimizer states in CPU memory."""
-    attn_implementation: str = "flash_attention_2"
-    """HF attention implementation: eager, sdpa, flash_attention_2, flash_attention_3, or a kernels-hub name."""
+    """Keep optimizer states in CPU memory (DeepSpeed's CPU Adam steps them there)."""
+    param_offload: bool = False
+    """Keep parameters in CPU memory between uses (ZeRO-3 only)."""
+    attn_implementation: str | None = None
+    """HF attention implementation: eager, sdpa, flash_attention_2, flash_attention_3, or a kernels-hub name; None: flash_attention_2 where flash-attn is installed on CUDA, else sdpa."""
     experts_implementation: Literal["eager", "batched_mm", "grouped_mm", "deepgemm"] | None = None
     """MoE expert computation passed to transformers; None lets transformers choose."""
     use_liger_kernel: bool = False
@@ -88,5 +90,7 @@ class DeepSpeedConfig:
             raise ConfigError(f"--ring_attn_size {self.ring_attn_size} needs --packing_samples")
         if self.load_in_4bit and self.lora.rank == 0:
             raise ConfigError("--load_in_4bit needs LoRA: 4-bit base weights cannot be trained; set --lora.rank")
+        if self.param_offload and self.zero_stage != 3:
+            raise ConfigError(f"--param_offload needs --zero_stage 3, got {self.zero_stage}")
         if not self.value_head_prefix.isidentifier():
             raise ConfigError(f"--value_head_prefix must be an attribute name, got {self.value_head_prefix!r}")

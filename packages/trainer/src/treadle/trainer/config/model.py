@@ -64,6 +64,68 @@ class RMModelConfig(ModelConfig):
     """Compute the loss in fp32."""
 
 
+PreferenceLoss = Literal["sigmoid", "ipo"]
+
+
+@configclass
+class DPOModelConfig(ModelConfig):
+    """The policy trained by DPO / IPO / cDPO."""
+
+    loss_type: PreferenceLoss = "sigmoid"
+    """sigmoid: DPO (cDPO when label_smoothing > 0); ipo: IPO's squared loss."""
+    beta: float = 0.1
+    """Strength of the implicit KL constraint (DPO's beta; IPO's regulariser tau)."""
+    label_smoothing: float = 0.0
+    """cDPO: assumed share of flipped preference labels, in [0, 0.5)."""
+    nll_loss_coef: float = 0.0
+    """Weight of an SFT loss on the chosen answers added to the preference loss (0: off)."""
+
+    def __post_init__(self) -> None:
+        ModelConfig.__post_init__(self)
+        if not self.beta > 0:
+            raise ConfigError(f"--beta must be > 0, got {self.beta}")
+        if not 0 <= self.label_smoothing < 0.5:
+            raise ConfigError(f"--label_smoothing must be in [0, 0.5), got {self.label_smoothing}")
+        if self.label_smoothing > 0 and self.loss_type == "ipo":
+            raise ConfigError("--label_smoothing (cDPO) applies to --loss_type sigmoid, not ipo")
+        if not self.nll_loss_coef >= 0:
+            raise ConfigError(f"--nll_loss_coef must be >= 0, got {self.nll_loss_coef}")
+
+
+@configclass
+class KTOModelConfig(ModelConfig):
+    """The policy trained by KTO."""
+
+    beta: float = 0.1
+    """Strength of the implicit KL constraint."""
+    desirable_weight: float = 1.0
+    """Loss weight of desirable answers (lambda_D)."""
+    undesirable_weight: float = 1.0
+    """Loss weight of undesirable answers (lambda_U)."""
+
+    def __post_init__(self) -> None:
+        ModelConfig.__post_init__(self)
+        if not self.beta > 0:
+            raise ConfigError(f"--beta must be > 0, got {self.beta}")
+        if not (self.desirable_weight > 0 and self.undesirable_weight > 0):
+            raise ConfigError("--desirable_weight and --undesirable_weight must be > 0")
+
+
+@configclass
+class FrozenRefConfig:
+    """The frozen reference policy of DPO / KTO."""
+
+    model_name_or_path: str | None = None
+    """Reference weights; None: the policy's starting weights."""
+    offload: bool = False
+    """Keep the reference model in CPU memory between uses."""
+    precompute_enable: bool = False
+    """Compute every reference log-prob once before training, then free the reference model."""
+
+    def __post_init__(self) -> None:
+        _check_model(self)
+
+
 @configclass
 class TrainedRoleConfig(OptimizerConfig):
     """A model PPO trains on its own GPUs: placement + optimizer."""

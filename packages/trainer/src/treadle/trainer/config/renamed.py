@@ -110,6 +110,28 @@ RENAMED_RM: Mapping[str, str] = MappingProxyType({
     "--model.compute_fp32_loss_enable": "--actor.compute_fp32_loss_enable",
 })
 
+_PREFERENCE: dict[str, str] = {
+    "--beta": "--actor.beta",
+    "--ref_offload": "--ref.offload",
+}
+
+RENAMED_DPO: Mapping[str, str] = MappingProxyType({
+    **_SHARED, **_SUPERVISED, **_PREFERENCE,
+    "--prompt_key": "--data.prompt_key",
+    "--ipo": "--actor.loss_type",
+    "--label_smoothing": "--actor.label_smoothing",
+    "--nll_loss_coef": "--actor.nll_loss_coef",
+})
+
+RENAMED_KTO: Mapping[str, str] = MappingProxyType({
+    **_SHARED, **_SUPERVISED, **_PREFERENCE,
+    "--input_key": "--data.input_key",
+    "--output_key": "--data.output_key",
+    "--label_key": "--data.label_key",
+    "--desirable_loss_weight": "--actor.desirable_weight",
+    "--undesirable_loss_weight": "--actor.undesirable_weight",
+})
+
 _PLACEMENT = {
     f"--{role}_{what}": f"--{role}.{what}"
     for role in ("actor", "critic", "ref", "reward") for what in ("num_nodes", "num_gpus_per_node")

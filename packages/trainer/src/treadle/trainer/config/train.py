@@ -24,6 +24,10 @@ class TrainConfig:
     """Seed of data order, initialisation and sampling."""
     full_determinism_enable: bool = False
     """Deterministic kernels and ordering (slower) for reproducible runs."""
+    dynamic_batch_enable: bool = False
+    """Form micro-batches by token budget (max_tokens_per_gpu) instead of sample count (needs ds.packing_samples)."""
+    max_tokens_per_gpu: int = 16192
+    """Token budget of a training micro-batch with dynamic batching."""
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "micro_batch_size", "max_epochs"):
@@ -33,6 +37,8 @@ class TrainConfig:
             raise ConfigError(
                 f"--batch_size {self.batch_size} is not a multiple of --micro_batch_size {self.micro_batch_size}"
             )
+        if self.max_tokens_per_gpu < 1:
+            raise ConfigError(f"--max_tokens_per_gpu must be >= 1, got {self.max_tokens_per_gpu}")
 
 
 @configclass
@@ -53,10 +59,6 @@ class RLTrainConfig(TrainConfig):
     """Async staleness bound: rollout batches generated ahead of training (larger: more off-policy)."""
     partial_rollout_enable: bool = False
     """Async only: update weights mid-generation instead of waiting (samples may mix policy versions)."""
-    dynamic_batch_enable: bool = False
-    """Form micro-batches by token budget (max_tokens_per_gpu) instead of sample count."""
-    max_tokens_per_gpu: int = 16192
-    """Token budget of a training micro-batch with dynamic batching."""
     agent_func_path: str | None = None
     """Python file of a (multi-turn) agent executor; rewards then come from the agent."""
     enable_ema: bool = False
@@ -72,7 +74,5 @@ class RLTrainConfig(TrainConfig):
             raise ConfigError(f"--async_queue_size must be >= 1, got {self.async_queue_size}")
         if self.partial_rollout_enable and not self.async_enable:
             raise ConfigError("--partial_rollout_enable needs --async_enable")
-        if self.max_tokens_per_gpu < 1:
-            raise ConfigError(f"--max_tokens_per_gpu must be >= 1, got {self.max_tokens_per_gpu}")
         if not 0 < self.ema_beta < 1:
             raise ConfigError(f"--ema_beta must be in (0, 1), got {self.ema_beta}")

@@ -1,0 +1,113 @@
+"""Exporting trained weights in Hugging Face format (safetensors + config + tokenizer).
+
+``full_state_dict`` collects the weights on rank 0 (gathering ZeRO-3 shards, merging LoRA
+adapters); ``save_causal_lm`` / ``save_reward_model`` write a folder that
+``AutoModelForCausalLM`` / ``AutoModelForSequenceClassification`` and vLLM load, atomically
+(``atomic.publish``). The weights are placed into a skeleton built on the meta device, so no
+second full copy of the model is initialised.
+
+Not here: resumable training checkpoints (``checkpointer``).
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from treadle.trainer.checkpoint.atomic import publish, staging_dir
+
+
+def _merged(module: torch.nn.Module) -> torch.nn.Module:
+    """``module`` with LoRA adapters merged into a copy (the trained module is left as it is)."""
+    from peft import PeftModel  # noqa: PLC0415
+
+    if isinstance(module, PeftModel):
+        return copy.deepcopy(module).merge_and_unload()
+    inner = getattr(module, "model", None)
+    if isinstance(inner, PeftModel):  # a value model whose backbone has adapters
+        module = copy.copy(module)
+        module.model = copy.deepcopy(inner).merge_and_unload()
+    return module
+
+
+def full_state_dict(engine: Any, *, zero_stage: int, is_main: bool) -> dict[str, torch.Tensor] | None:
+    """Every weight of ``engine.module`` on the CPU on rank 0 (None elsewhere); all ranks must call it."""
+    module = engine.module
+    if zero_stage == 3:
+        import deepspeed  # noqa: PLC0415
+
+        if _has_peft(module):
+            raise NotImplementedError("exporting LoRA adapters trained with ZeRO-3 is not supported yet; use --ds.zero_stage 2")
+        out: dict[str, torch.Tensor] = {}
+        for name, p in module.named_parameters():
+            with deepspeed.zero.GatheredParameters([p], modifier_rank=None):
+                if is_main:
+                    out[name] = p.detach().cpu().clone()
+        if is_main:
+            out.update({n: b.detach().cpu().clone() for n, b in module.named_buffers() if n in module.state_dict()})
+        return out if is_main else None
+    if not is_main:
+        return None
+    return {k: v.detach().cpu().clone() for k, v in _merged(module).state_dict().items()}
+
+
+def _has_peft(module: torch.nn.Module) -> bool:
+    return any("lora_" in n for n, _ in module.named_parameters())
+
+
+def _place(skeleton: torch.nn.Module, state: dict[str, torch.Tensor]) -> torch.nn.Module:
+    skeleton.load_state_dict(state, strict=False, assign=True)
+    if getattr(skeleton.config, "tie_word_embeddings", False):
+        skeleton.tie_weights()
+    meta = [n for n, p in skeleton.named_parameters() if p.is_meta]
+    if meta:
+        raise RuntimeError(f"export: no trained weights for {meta[:5]}")
+    return skeleton
+
+
+def _write(model: torch.nn.Module, tokenizer: Any, out: Path) -> Path:
+    tmp = staging_dir(out)
+    model.save_pretrained(tmp, safe_serialization=True)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(tmp)
+    return publish(tmp, out)
+
+
+def save_causal_lm(state: dict[str, torch.Tensor], config: Any, tokenizer: Any, out: str | Path) -> Path:
+    """Write a causal LM folder (rank 0 only) that ``AutoModelForCausalLM`` and vLLM load."""
+    from transformers import AutoModelForCausalLM  # noqa: PLC0415
+
+    config = copy.deepcopy(config)
+    config.dtype = next(iter(state.values())).dtype
+    config.use_cache = True
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)
+    return _write(_place(skeleton, state), tokenizer, Path(out))
+
+
+def save_reward_model(state: dict[str, torch.Tensor], config: Any, tokenizer: Any, out: str | Path, *,
+                      mean: float = 0.0, std: float = 1.0, head_prefix: str = "score") -> Path:
+    """Write a reward-model folder (rank 0 only) that ``AutoModelForSequenceClassification`` loads
+    (``num_labels=1``); the score statistics go into the config as ``reward_mean`` / ``reward_std``.
+
+    transformers names the head ``score``: a head trained under another ``head_prefix`` is saved
+    as ``score.weight``, and the prefix is recorded in the config as ``value_head_prefix``."""
+    from transformers import AutoModelForSequenceClassification  # noqa: PLC0415
+
+    state = dict(state)
+    if head_prefix != "score":
+        state["score.weight"] = state.pop(f"{head_prefix}.weight")
+    config = copy.deepcopy(config)
+    config.value_head_prefix = head_prefix
+    config.num_labels = 1
+    config.dtype = next(iter(state.values())).dtype
+    config.reward_mean, config.reward_std = float(mean), float(std)
+    config.architectures = None
+    with torch.device("meta"):
+        skeleton = AutoModelForSequenceClassification.from_config(config)
+    if config.pad_token_id is None and tokenizer is not None:  # HF's own scoring finds the last token by it
+        skeleton.config.pad_token_id = tokenizer.pad_token_id
+    return _write(_place(skeleton, state), tokenizer, Path(out))

@@ -1,0 +1,104 @@
+"""Loading transformers models and tokenizers the way the ``ds`` / ``actor`` config says.
+
+Resolves the attention kernel (flash-attention where installed on CUDA, else SDPA, unless the
+user named one), the parameter dtype, gradient checkpointing and LoRA adapters (peft). The
+model is returned on the CPU: placing it is DeepSpeed's job (``strategy.deepspeed``).
+
+Not here: distributed wiring, optimizers, saving (``checkpoint.export``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+import torch
+
+from treadle.common.config import ConfigError
+from treadle.trainer.config.deepspeed import DeepSpeedConfig, LoraConfig
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def attn_implementation(requested: str | None) -> str:
+    """The attention kernel to use: ``requested``, or flash_attention_2 on CUDA with flash-attn, else sdpa."""
+    flash = importlib.util.find_spec("flash_attn") is not None and torch.cuda.is_available()
+    if requested is None:
+        return "flash_attention_2" if flash else "sdpa"
+    if requested.startswith("flash_attention") and not flash:
+        raise ConfigError(f"--ds.attn_implementation {requested} needs CUDA and the flash-attn package; "
+                          "use sdpa (or leave the flag unset to choose automatically)")
+    return requested
+
+
+def load_tokenizer(path: str, *, use_fast: bool = True, chat_template: str | None = None) -> Any:
+    """The tokenizer of ``path``, with a pad token (EOS when it has none) and an optional chat template."""
+    from transformers import AutoTokenizer  # noqa: PLC0415
+
+    tok = AutoTokenizer.from_pretrained(path, use_fast=use_fast)
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    if chat_template is not None:
+        tok.chat_template = chat_template
+    return tok
+
+
+def _common_kwargs(ds: DeepSpeedConfig) -> dict[str, Any]:
+    kw: dict[str, Any] = {"dtype": DTYPES[ds.param_dtype], "attn_implementation": attn_implementation(ds.attn_implementation)}
+    if ds.experts_implementation is not None:
+        kw["experts_implementation"] = ds.experts_implementation
+    if ds.load_in_4bit:
+        from transformers import BitsAndBytesConfig  # noqa: PLC0415
+
+        if importlib.util.find_spec("bitsandbytes") is None:
+            raise ConfigError("--ds.load_in_4bit needs the bitsandbytes package (CUDA)")
+        kw["quantization_config"] = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                                       bnb_4bit_compute_dtype=DTYPES[ds.param_dtype])
+    return kw
+
+
+def load_causal_lm(path: str, ds: DeepSpeedConfig, *, trainable: bool, gradient_checkpointing: bool = False,
+                   reentrant: bool = False) -> torch.nn.Module:
+    """A ``AutoModelForCausalLM`` from ``path``: trainable (dropout as configured, checkpointing,
+    LoRA) or frozen (eval mode, no gradients)."""
+    from transformers import AutoModelForCausalLM  # noqa: PLC0415
+
+    model = AutoModelForCausalLM.from_pretrained(path, **_common_kwargs(ds))
+    model.config.use_cache = False
+    return prepare(model, ds, trainable=trainable, gradient_checkpointing=gradient_checkpointing, reentrant=reentrant)
+
+
+def load_backbone(path: str, ds: DeepSpeedConfig) -> torch.nn.Module:
+    """The base model (no LM head) of ``path`` (a causal LM or a sequence-classification model)."""
+    from transformers import AutoModel  # noqa: PLC0415
+
+    model = AutoModel.from_pretrained(path, **_common_kwargs(ds))
+    model.config.use_cache = False
+    return model
+
+
+def prepare(model: torch.nn.Module, ds: DeepSpeedConfig, *, trainable: bool, gradient_checkpointing: bool,
+            reentrant: bool) -> torch.nn.Module:
+    """Freeze, or enable checkpointing and LoRA on, a loaded model."""
+    if not trainable:
+        model.eval()
+        model.requires_grad_(False)
+        return model
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    if ds.lora.rank > 0:
+        model = add_lora(model, ds.lora, gradient_checkpointing=gradient_checkpointing)
+    return model
+
+
+def add_lora(model: torch.nn.Module, lora: LoraConfig, *, gradient_checkpointing: bool) -> torch.nn.Module:
+    """``model`` with LoRA adapters (peft) on ``lora.target_modules``; only the adapters train."""
+    from peft import LoraConfig as PeftLoraConfig  # noqa: PLC0415
+    from peft import get_peft_model  # noqa: PLC0415
+
+    if gradient_checkpointing:
+        model.enable_input_require_grads()  # checkpointed blocks need an input that requires grad
+    targets = lora.target_modules[0] if lora.target_modules == ("all-linear",) else list(lora.target_modules)
+    cfg = PeftLoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets,
+                         bias="none")
+    return get_peft_model(model, cfg)

@@ -1,0 +1,36 @@
+"""The frozen reference policy of DPO / KTO (and PPO's KL term): log-probs without gradients.
+
+With ``offload`` its weights live in CPU memory and visit the accelerator only while it
+computes (on a CPU-only machine that is a no-op). It is never wrapped by DeepSpeed: a
+reference that needs ZeRO-3 sharding is not supported yet.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from treadle.trainer.data.batching import SeqBatch
+from treadle.trainer.ops.logprobs import token_logprobs
+
+
+class Reference:
+    """A frozen causal LM that scores batches."""
+
+    def __init__(self, module: torch.nn.Module, device: torch.device, *, offload: bool = False) -> None:
+        self.module = module.eval().requires_grad_(False)
+        self.device = device
+        self.offload = offload
+        self.module.to("cpu" if offload else device)
+
+    @torch.no_grad()
+    def logprobs(self, batch: SeqBatch) -> Tensor:
+        """[R, T] fp32 log-probs of ``batch``'s tokens (aligned, column 0 = 0)."""
+        if self.offload:
+            self.module.to(self.device)
+        try:
+            logits = self.module(**batch.model_inputs(), use_cache=False).logits
+            return token_logprobs(logits, batch.input_ids)
+        finally:
+            if self.offload:
+                self.module.to("cpu")

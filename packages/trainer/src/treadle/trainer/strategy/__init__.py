@@ -1,0 +1,1 @@
+"""Distributed wiring: the DeepSpeed engine built from the typed config (``deepspeed``)."""

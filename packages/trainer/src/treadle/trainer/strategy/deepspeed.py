@@ -1,0 +1,185 @@
+"""The DeepSpeed engine of a trained model, built from the typed config; process-group set-up.
+
+``ds_config`` turns ``DeepSpeedConfig`` + ``OptimizerConfig`` + the batch plan into DeepSpeed's
+JSON dict (pure, testable without DeepSpeed). ``build_engine`` adds the optimizer (torch AdamW,
+or DeepSpeed's CPU Adam when optimizer states are offloaded) and the learning-rate schedule and
+calls ``deepspeed.initialize``. ZeRO stages 0-3, parameter / optimizer offload, bf16 / fp16 /
+fp32, clipping, AutoTP and deepcompile are switches of the same code; the accelerator
+(CUDA + NCCL, or CPU + gloo) comes from DeepSpeed's accelerator detection.
+
+Gradient accumulation is driven by the trainer: it marks the accumulation boundary itself and
+scales each micro-batch's loss (``trainers.base``), so the number of micro-batches may vary
+from step to step (dynamic batching) while DeepSpeed still reduces gradients once per step.
+
+Not here: model math (``models``), the training loop (``trainers``), checkpoints (``checkpoint``).
+"""
+
+from __future__ import annotations
+
+import math
+import socket
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from treadle.common.config import ConfigError
+from treadle.trainer.config.deepspeed import DeepSpeedConfig
+from treadle.trainer.config.optim import OptimizerConfig
+
+_NEVER = 1 << 62  # steps_per_print: DeepSpeed's own progress lines would duplicate ours
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DistInfo:
+    """This process's place in the data-parallel group."""
+
+    rank: int
+    """Global rank."""
+    world: int
+    """Number of ranks."""
+    local_rank: int
+    """Rank on this host (picks the accelerator device)."""
+    device: torch.device
+    """Where this rank computes."""
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(launched_by_deepspeed: bool = False) -> DistInfo:
+    """Join (or, for a plain single process, create) the process group; idempotent.
+
+    Under ``torchrun`` or the ``deepspeed`` launcher the rendezvous variables are already set;
+    a plain ``python -m ...`` run becomes a one-rank group on a free local port. The
+    variables are set here (not read) because DeepSpeed itself requires ``LOCAL_RANK`` & co.
+    """
+    import os  # noqa: PLC0415  (only to hand DeepSpeed the variables it reads itself)
+
+    import deepspeed  # noqa: PLC0415
+    import deepspeed.comm as dist  # noqa: PLC0415
+    from deepspeed.accelerator import get_accelerator  # noqa: PLC0415
+
+    if not (torch.distributed.is_torchelastic_launched() or launched_by_deepspeed or torch.distributed.is_initialized()):
+        for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"),
+                            ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(_free_port()))):
+            os.environ.setdefault(name, value)
+    accel = get_accelerator()
+    deepspeed.init_distributed(dist_backend=accel.communication_backend_name())
+    local_rank = dist.get_local_rank()
+    if accel.device_name() != "cpu":
+        accel.set_device(local_rank)
+    device = torch.device(accel.current_device_name())
+    return DistInfo(rank=dist.get_rank(), world=dist.get_world_size(), local_rank=local_rank, device=device)
+
+
+def shutdown_distributed() -> None:
+    """Leave the process group if one is open (safe to call twice, or after a failure)."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+def all_reduce(values: Sequence[float], device: torch.device, op: str = "sum") -> list[float]:
+    """Element-wise sum (or max) of ``values`` over all ranks, in float64."""
+    t = torch.tensor(list(values), dtype=torch.float64, device=device)
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        rop = torch.distributed.ReduceOp.SUM if op == "sum" else torch.distributed.ReduceOp.MAX
+        torch.distributed.all_reduce(t, op=rop)
+    return t.tolist()
+
+
+def _zero_section(ds: DeepSpeedConfig) -> dict[str, Any]:
+    pin = torch.cuda.is_available()  # pinned host memory only means something next to a GPU
+    zero: dict[str, Any] = {
+        "stage": ds.zero_stage, "overlap_comm": ds.overlap_comm, "contiguous_gradients": True,
+        "stage3_gather_16bit_weights_on_model_save": True,
+    }
+    if ds.adam_offload:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": pin}
+    if ds.param_offload:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": pin}
+    if ds.zpg > 1:
+        zero["zero_hpz_partition_size"] = ds.zpg
+    return zero
+
+
+def ds_config(ds: DeepSpeedConfig, optim: OptimizerConfig | None, *, micro_batch: int, grad_accum: int,
+              world: int) -> dict[str, Any]:
+    """DeepSpeed's config dict; ``optim`` None builds an inference-only (frozen) engine."""
+    cfg: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": micro_batch,
+        "gradient_accumulation_steps": grad_accum,
+        "train_batch_size": micro_batch * grad_accum * world,
+        "gradient_clipping": optim.max_norm if optim is not None else 0.0,
+        "steps_per_print": _NEVER,
+        "wall_clock_breakdown": False,
+        "zero_allow_untested_optimizer": True,
+        "zero_optimization": _zero_section(ds),
+        "bf16": {"enabled": ds.param_dtype == "bf16"},
+        "fp16": {"enabled": ds.param_dtype == "fp16", "initial_scale_power": 16},
+    }
+    if ds.grad_accum_dtype is not None:
+        cfg["data_types"] = {"grad_accum_dtype": ds.grad_accum_dtype}
+    if ds.tensor_parallel_size > 1:
+        cfg["tensor_parallel"] = {"autotp_size": ds.tensor_parallel_size}
+    if ds.deepcompile:
+        cfg["compile"] = {"deepcompile": True}
+    return cfg
+
+
+def build_optimizer(model: torch.nn.Module, optim: OptimizerConfig, *, offload: bool) -> torch.optim.Optimizer:
+    """AdamW over the trainable parameters; biases and norm weights (1-D) get no weight decay."""
+    if optim.optim != "adam":
+        raise ConfigError(f"--optim {optim.optim} is not available in this trainer yet; use adam")
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": optim.adam.weight_decay},
+              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+    groups = [g for g in groups if g["params"]]
+    kw = {"lr": optim.adam.lr, "betas": optim.adam.betas, "eps": optim.adam.eps}
+    if offload:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam  # noqa: PLC0415  (JIT-builds its op on first use)
+
+        return DeepSpeedCPUAdam(groups, adamw_mode=True, **kw)
+    return torch.optim.AdamW(groups, fused=torch.cuda.is_available(), **kw)
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, optim: OptimizerConfig, total_steps: int) -> Any:
+    """transformers' schedule ``optim.lr_scheduler`` over ``total_steps`` optimizer steps."""
+    from transformers import get_scheduler  # noqa: PLC0415
+
+    warmup = math.ceil(optim.lr_warmup_ratio * total_steps)
+    extra: dict[str, Any] = {}
+    if optim.lr_scheduler in ("cosine_with_min_lr", "cosine_warmup_with_min_lr"):
+        extra = {"min_lr_rate": optim.min_lr_ratio}
+    elif optim.lr_scheduler == "warmup_stable_decay":
+        extra = {"num_decay_steps": max(1, (total_steps - warmup) // 10), "min_lr_ratio": optim.min_lr_ratio}
+    return get_scheduler(optim.lr_scheduler, optimizer, num_warmup_steps=warmup, num_training_steps=total_steps,
+                         scheduler_specific_kwargs=extra or None)
+
+
+def grad_accum_steps(batch_size: int, micro_batch: int, world: int) -> int:
+    """Nominal micro-batches per rank per step; ConfigError when the batch does not divide."""
+    if batch_size % (micro_batch * world):
+        raise ConfigError(f"--train.batch_size {batch_size} must be a multiple of --train.micro_batch_size "
+                          f"{micro_batch} x {world} ranks")
+    return batch_size // (micro_batch * world)
+
+
+def build_engine(model: torch.nn.Module, ds: DeepSpeedConfig, optim: OptimizerConfig, *, micro_batch: int,
+                 grad_accum: int, world: int, total_steps: int) -> Any:
+    """A training ``DeepSpeedEngine`` around ``model`` with its optimizer and schedule."""
+    import deepspeed  # noqa: PLC0415
+
+    optimizer = build_optimizer(model, optim, offload=ds.adam_offload)
+    scheduler = build_scheduler(optimizer, optim, total_steps)
+    config = ds_config(ds, optim, micro_batch=micro_batch, grad_accum=grad_accum, world=world)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config)
+    return engine

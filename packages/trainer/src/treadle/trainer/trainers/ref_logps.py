@@ -1,0 +1,87 @@
+"""Reference log-probabilities of whole answers for DPO / KTO: on the fly, or precomputed once.
+
+``RefLogps.for_batch(batch, split)`` gives ``[S]`` summed reference log-probs of a micro-batch's
+target tokens, one per sequence. On the fly it runs the frozen ``Reference``; with
+``--ref.precompute_enable`` every sample of both splits is scored once before training (rank r
+scores samples r, r + W, ...; an all-reduce assembles the table on every rank) and the
+reference model is freed.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from treadle.trainer.config.deepspeed import DeepSpeedConfig
+from treadle.trainer.config.model import FrozenRefConfig
+from treadle.trainer.data.batching import SeqBatch, local_batches
+from treadle.trainer.data.order import eval_share
+from treadle.trainer.data.samples import Sample
+from treadle.trainer.models.loading import load_causal_lm
+from treadle.trainer.models.reference import Reference
+from treadle.trainer.ops.logprobs import sequence_sums
+from treadle.trainer.strategy.deepspeed import DistInfo
+
+Batches = Callable[[Sequence[Sample]], list[tuple[list[Sample], SeqBatch]]]
+
+
+def reference_sums(ref: Reference, batch: SeqBatch) -> Tensor:
+    """``[S]`` sum over each sequence's target tokens of log ref(x_t | x_<t)."""
+    return sequence_sums(ref.logprobs(batch), batch.target_mask, batch.seq_index, batch.num_seqs)
+
+
+class RefLogps:
+    """Per-sequence reference log-probs, by split ("train" / "eval")."""
+
+    def __init__(self, ref: Reference | None, tables: dict[str, Tensor] | None = None) -> None:
+        self.ref = ref
+        self.tables = tables or {}
+
+    def for_batch(self, batch: SeqBatch, split: str) -> Tensor:
+        if split in self.tables:
+            table = self.tables[split]
+            return table[list(batch.sample_index)].reshape(-1).to(batch.input_ids.device)
+        assert self.ref is not None
+        return reference_sums(self.ref, batch)
+
+    @staticmethod
+    def precompute(ref: Reference, splits: dict[str, Sequence[Sample]], dist: DistInfo, batches: Batches) -> RefLogps:
+        """Score every sample of ``splits`` once; ``batches(samples)`` gives (group, CPU SeqBatch) pairs."""
+        tables = {}
+        for name, samples in splits.items():
+            if not samples:
+                continue
+            per = len(samples[0].seqs)
+            table = torch.zeros(len(samples), per, dtype=torch.float64, device=dist.device)
+            idx, fillers = eval_share(len(samples), dist.world, dist.rank)
+            mine = idx[: len(idx) - fillers]
+            for group, batch in batches([samples[i] for i in mine]):
+                sums = reference_sums(ref, batch.to(dist.device)).reshape(len(group), per)
+                table[[s.index for s in group]] = sums.double()
+            if torch.distributed.is_initialized() and dist.world > 1:
+                torch.distributed.all_reduce(table)
+            tables[name] = table.float()
+        return RefLogps(None, tables)
+
+
+def build_reference(ref_cfg: FrozenRefConfig, policy_path: str, ds: DeepSpeedConfig, dist: DistInfo,
+                    splits: dict[str, Sequence[Sample]], batches: Batches) -> RefLogps:
+    """The reference scorer of a DPO / KTO run: the frozen model, or a table it precomputed."""
+    module = load_causal_lm(ref_cfg.model_name_or_path or policy_path, ds, trainable=False)
+    ref = Reference(module, dist.device, offload=ref_cfg.offload)
+    if not ref_cfg.precompute_enable:
+        return RefLogps(ref)
+    table = RefLogps.precompute(ref, splits, dist, batches)
+    del ref, module  # the table replaces the model: free its memory for training
+    return table
+
+
+def local_batches_of(cfg: Any, pad_id: int) -> Batches:
+    """How a DPO / KTO config batches samples, for the precomputation on one rank."""
+    t = cfg.train
+    return functools.partial(local_batches, micro_batch=t.micro_batch_size, packing=cfg.ds.packing_samples,
+                             token_budget=t.max_tokens_per_gpu if t.dynamic_batch_enable else None, pad_id=pad_id)

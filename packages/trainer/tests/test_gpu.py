@@ -1,0 +1,45 @@
+"""On CUDA (the GPU machine, ``-m gpu``): a packed row computes what padded rows do with the
+attention kernels there (SDPA; flash-attention's varlen path when flash-attn is installed)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from treadle.trainer.config.deepspeed import DeepSpeedConfig
+from treadle.trainer.data.batching import pack_batch, pad_batch
+from treadle.trainer.data.samples import Sample, TokenSeq
+from treadle.trainer.models.actor import Actor
+from treadle.trainer.models.loading import load_causal_lm
+from treadle.trainer.ops.logprobs import sequence_sums
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+KERNELS = [("sdpa", "fp32", 1e-4), ("sdpa", "bf16", 0.15)]
+if importlib.util.find_spec("flash_attn") is not None:
+    KERNELS.append(("flash_attention_2", "bf16", 0.15))
+
+
+def _samples(n: int = 6) -> list[Sample]:
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for i in range(n):
+        length = int(torch.randint(3, 200, (1,), generator=g))
+        ids = torch.randint(3, 500, (length,), generator=g).tolist()
+        out.append(Sample(seqs=(TokenSeq.of(ids, [True] * length),), index=i))
+    return out
+
+
+@pytest.mark.parametrize(("attn", "dtype", "tol"), KERNELS)
+def test_packed_equals_padded_on_cuda(tiny, attn, dtype, tol):
+    model = load_causal_lm(str(tiny), DeepSpeedConfig(param_dtype=dtype, attn_implementation=attn), trainable=False).cuda()
+    samples = _samples()
+    pad, pack = pad_batch(samples, pad_id=0).to("cuda"), pack_batch(samples).to("cuda")
+    with torch.no_grad():
+        a, b = Actor(model)(pad).logprobs, Actor(model)(pack).logprobs
+    sa = sequence_sums(a, pad.target_mask, pad.seq_index, pad.num_seqs)
+    sb = sequence_sums(b, pack.target_mask, pack.seq_index, pack.num_seqs)
+    per_token = (a[pad.target_mask] - b[pack.target_mask]).abs().max().item()
+    assert per_token < tol, per_token
+    assert torch.allclose(sa, sb, rtol=1e-3 if dtype == "fp32" else 2e-2, atol=1e-3 if dtype == "fp32" else 1.0)

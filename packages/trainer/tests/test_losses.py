@@ -1,0 +1,136 @@
+"""The loss functions and log-prob helpers against values worked out by hand (arithmetic in the
+comments), and the invariance the trainers rely on: token-mean with a step-wide normaliser is
+the same however the step is split."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from treadle.trainer.losses.preference import (
+    PREFERENCE_LOSSES,
+    dpo_loss,
+    implicit_reward,
+    ipo_loss,
+    kto_kl_baseline,
+    kto_loss,
+)
+from treadle.trainer.losses.rm import RM_LOSSES, logexp_loss, pair_accuracy, sigmoid_loss
+from treadle.trainer.losses.sft import nll_loss
+from treadle.trainer.ops.logprobs import sequence_sums, token_entropy, token_logprobs
+
+T = torch.tensor
+
+
+def test_token_logprobs_by_hand():
+    # vocab 2, logits at t=0 are [0, ln 3]: p = [1/4, 3/4]; the next token is 1 -> log(3/4).
+    logits = T([[[0.0, math.log(3.0)], [5.0, 5.0]]])
+    ids = T([[0, 1]])
+    lp = token_logprobs(logits, ids)
+    assert lp.shape == (1, 2) and lp[0, 0] == 0.0
+    assert lp[0, 1].item() == pytest.approx(math.log(0.75), abs=1e-6)
+    # temperature 2 halves the logits: [0, ln 3 / 2] -> p1 = sqrt3 / (1 + sqrt3)
+    s3 = math.sqrt(3.0)
+    assert token_logprobs(logits, ids, 2.0)[0, 1].item() == pytest.approx(math.log(s3 / (1 + s3)), abs=1e-6)
+
+
+def test_token_entropy_by_hand():
+    # p = [1/4, 3/4]: H = -(1/4 ln 1/4 + 3/4 ln 3/4) = 0.5623351...
+    logits = T([[[0.0, math.log(3.0)], [0.0, 0.0]]])
+    h = token_entropy(logits)
+    assert h[0, 1].item() == pytest.approx(-(0.25 * math.log(0.25) + 0.75 * math.log(0.75)), abs=1e-6)
+
+
+def test_sequence_sums_skip_padding_and_masked_tokens():
+    values = T([[1.0, 2.0, 3.0, 4.0], [10.0, 20.0, 30.0, 40.0]])
+    mask = T([[False, True, True, True], [False, True, True, False]])
+    index = T([[0, 0, 1, 1], [2, 2, 2, -1]])
+    # seq 0: 2; seq 1: 3 + 4 = 7; seq 2: 20 + 30 = 50 (the padding 40 is masked and has index -1)
+    assert sequence_sums(values, mask, index, 3).tolist() == [2.0, 7.0, 50.0]
+
+
+def test_nll_is_token_mean_of_the_whole_step_however_split():
+    lp = T([[-1.0, -2.0, -3.0], [-4.0, -5.0, -6.0]])
+    mask = T([[False, True, True], [False, True, False]])
+    # 3 target tokens: (2 + 3 + 5) / 3 = 10 / 3
+    whole = nll_loss(lp, mask, 3)
+    parts = nll_loss(lp[:1], mask[:1], 3) + nll_loss(lp[1:], mask[1:], 3)
+    assert whole.item() == pytest.approx(10 / 3) and parts.item() == pytest.approx(10 / 3)
+    # the naive per-micro-batch mean would give (2.5 + 5) / 2 = 3.75
+    naive = (nll_loss(lp[:1], mask[:1], 2) + nll_loss(lp[1:], mask[1:], 1)) / 2
+    assert naive.item() == pytest.approx(3.75)
+
+
+def test_nll_gradient_is_independent_of_the_split():
+    torch.manual_seed(0)
+    logits = torch.randn(4, 6, 5, requires_grad=True)
+    ids = torch.randint(0, 5, (4, 6))
+    mask = torch.rand(4, 6) > 0.3
+    mask[:, 0] = False
+    n = int(mask.sum())
+    nll_loss(token_logprobs(logits, ids), mask, n).backward()
+    whole = logits.grad.clone()
+    logits.grad = None
+    for rows in ([0], [1, 2], [3]):
+        nll_loss(token_logprobs(logits[rows], ids[rows]), mask[rows], n).backward()
+    assert torch.allclose(logits.grad, whole, atol=1e-7)
+
+
+def test_rm_losses_by_hand():
+    chosen, rejected = T([2.0, 0.0]), T([1.0, 1.0])
+    # d = [1, -1]: -log sigmoid(1) = log(1 + e^-1) = 0.3132617; -log sigmoid(-1) = log(1 + e) = 1.3132617
+    want = [math.log1p(math.exp(-1)), math.log1p(math.exp(1))]
+    assert sigmoid_loss(chosen, rejected).tolist() == pytest.approx(want, abs=1e-6)
+    assert logexp_loss(chosen, rejected).tolist() == pytest.approx(want, abs=1e-6)
+    # margin 1 on the first pair: d = 0 -> log 2
+    assert sigmoid_loss(chosen, rejected, T([1.0, 0.0]))[0].item() == pytest.approx(math.log(2), abs=1e-6)
+    assert pair_accuracy(chosen, rejected).tolist() == [1.0, 0.0]
+    assert set(RM_LOSSES) == {"sigmoid", "logexp"}
+
+
+def test_logexp_does_not_overflow():
+    assert logexp_loss(T([0.0]), T([1000.0])).item() == pytest.approx(1000.0)
+
+
+def test_dpo_cdpo_ipo_by_hand():
+    pc, pr, rc, rr = T([-1.0]), T([-3.0]), T([-2.0]), T([-2.0])
+    # h = (-1 + 2) - (-3 + 2) = 2; beta 0.5: z = 1 -> DPO = log(1 + e^-1)
+    assert dpo_loss(pc, pr, rc, rr, 0.5).item() == pytest.approx(math.log1p(math.exp(-1)), abs=1e-6)
+    # cDPO eps 0.1: 0.9 log(1 + e^-1) + 0.1 log(1 + e)
+    cdpo = 0.9 * math.log1p(math.exp(-1)) + 0.1 * math.log1p(math.exp(1))
+    assert dpo_loss(pc, pr, rc, rr, 0.5, 0.1).item() == pytest.approx(cdpo, abs=1e-6)
+    # IPO beta 0.5: (2 - 1 / (2 * 0.5))^2 = 1
+    assert ipo_loss(pc, pr, rc, rr, 0.5).item() == pytest.approx(1.0)
+    with pytest.raises(ValueError):
+        ipo_loss(pc, pr, rc, rr, 0.5, 0.1)
+    # equal log-ratios: h = 0 -> log 2 whatever beta
+    assert dpo_loss(T([-1.0]), T([-1.0]), T([-1.0]), T([-1.0]), 3.0).item() == pytest.approx(math.log(2))
+    assert implicit_reward(pc, rc, 0.5).item() == pytest.approx(0.5)
+    assert PREFERENCE_LOSSES["sigmoid"] is dpo_loss and PREFERENCE_LOSSES["ipo"] is ipo_loss
+
+
+def test_dpo_gradient_pushes_chosen_up_and_rejected_down():
+    pc, pr = T([-2.0], requires_grad=True), T([-2.0], requires_grad=True)
+    dpo_loss(pc, pr, T([-2.0]), T([-2.0]), 0.1).sum().backward()
+    # d/dpc = -beta sigmoid(-beta h) = -0.1 * 0.5 at h = 0
+    assert pc.grad.item() == pytest.approx(-0.05) and pr.grad.item() == pytest.approx(0.05)
+
+
+def test_kto_by_hand():
+    policy, ref = T([-1.0, -1.0]), T([-2.0, -2.0])  # r = 1 for both
+    desirable = T([True, False])
+    # z0 = 0.5, beta = 1: desirable 1 - sigmoid(0.5) = 0.3775407; undesirable 2 * (1 - sigmoid(-0.5)) = 1.2449186
+    got = kto_loss(policy, ref, desirable, 0.5, 1.0, 1.0, 2.0)
+    sig = 1 / (1 + math.exp(-0.5))
+    assert got.tolist() == pytest.approx([1 - sig, 2 * sig], abs=1e-6)
+
+
+def test_kto_kl_baseline_is_clamped_mean_and_detached():
+    pk = T([-1.0, -3.0], requires_grad=True)
+    # mean(pk - rk) = ((-1 + 2) + (-3 + 2)) / 2 = 0; with rk = -4: (3 + 1) / 2 = 2
+    assert kto_kl_baseline(pk, T([-2.0, -2.0])).item() == 0.0
+    z = kto_kl_baseline(pk, T([-4.0, -4.0]))
+    assert z.item() == 2.0 and not z.requires_grad
+    assert kto_kl_baseline(T([-5.0]), T([-1.0])).item() == 0.0  # negative estimate clamps to 0

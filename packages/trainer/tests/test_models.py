@@ -1,0 +1,154 @@
+"""Model roles on the tiny model, without DeepSpeed: a packed row computes exactly what padded
+rows do (attention confined to each sequence), for the policy's log-probs and the reward
+model's scores; the reference is frozen; a reward model round-trips through the HF export."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from treadle.trainer.config.deepspeed import DeepSpeedConfig
+from treadle.trainer.data.batching import pack_batch, pad_batch
+from treadle.trainer.data.samples import Sample, TokenSeq
+from treadle.trainer.models.actor import Actor
+from treadle.trainer.models.loading import attn_implementation, load_causal_lm
+from treadle.trainer.models.reference import Reference
+from treadle.trainer.models.reward_model import RewardModel
+from treadle.trainer.ops.logprobs import sequence_sums
+
+FP32 = DeepSpeedConfig(param_dtype="fp32", attn_implementation="sdpa")
+
+
+def _samples(n: int = 5, seed: int = 0) -> list[Sample]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        seqs = []
+        for _ in range(2):
+            length = int(torch.randint(3, 40, (1,), generator=g))
+            ids = torch.randint(3, 500, (length,), generator=g).tolist()
+            seqs.append(TokenSeq.of(ids, [j >= length // 2 for j in range(length)]))
+        out.append(Sample(seqs=tuple(seqs), index=i))
+    return out
+
+
+@pytest.fixture(scope="module")
+def lm(tiny):
+    return load_causal_lm(str(tiny), FP32, trainable=False)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_packed_row_equals_padded_rows(tiny, attn):
+    model = load_causal_lm(str(tiny), DeepSpeedConfig(param_dtype="fp32", attn_implementation=attn), trainable=False)
+    actor, samples = Actor(model), _samples()
+    pad, pack = pad_batch(samples, pad_id=0), pack_batch(samples)
+    with torch.no_grad():
+        lp_pad, lp_pack = actor(pad, with_entropy=True), actor(pack, with_entropy=True)
+    sums_pad = sequence_sums(lp_pad.logprobs, pad.target_mask, pad.seq_index, pad.num_seqs)
+    sums_pack = sequence_sums(lp_pack.logprobs, pack.target_mask, pack.seq_index, pack.num_seqs)
+    assert torch.allclose(sums_pad, sums_pack, atol=1e-4, rtol=1e-5)
+    tok_pad = lp_pad.logprobs[pad.target_mask]
+    tok_pack = lp_pack.logprobs[pack.target_mask]
+    assert torch.allclose(tok_pad, tok_pack, atol=1e-5)
+    assert torch.allclose(lp_pad.entropy[pad.target_mask], lp_pack.entropy[pack.target_mask], atol=1e-5)
+
+
+def test_packing_without_position_restarts_would_differ(lm):
+    """The check above has teeth: the same row with plain positions (one long sequence) differs."""
+    samples = _samples()
+    pack = pack_batch(samples)
+    leaky = type(pack)(**{**{f: getattr(pack, f) for f in pack.__dataclass_fields__},
+                          "position_ids": torch.arange(pack.input_ids.shape[1])[None]})
+    with torch.no_grad():
+        a = Actor(lm)(pack).logprobs[pack.target_mask]
+        b = Actor(lm)(leaky).logprobs[pack.target_mask]
+    assert (a - b).abs().max() > 1e-2
+
+
+def test_reward_scores_equal_packed_and_padded(tiny):
+    torch.manual_seed(0)
+    rm = RewardModel.from_pretrained(str(tiny), FP32).eval()
+    samples = _samples(4, seed=1)
+    pad, pack = pad_batch(samples, pad_id=0), pack_batch(samples)
+    with torch.no_grad():
+        a = RewardModel.scores(rm(**pad.model_inputs()), pad)
+        b = RewardModel.scores(rm(**pack.model_inputs()), pack)
+    assert a.shape == (8,) and torch.allclose(a, b, atol=1e-5)
+
+
+def test_reward_model_export_loads_as_sequence_classification(tiny, tokenizer, tmp_path):
+    from transformers import AutoModelForSequenceClassification
+
+    from treadle.trainer.checkpoint.export import save_reward_model
+
+    torch.manual_seed(1)
+    rm = RewardModel.from_pretrained(str(tiny), FP32).eval()
+    out = save_reward_model(rm.state_dict(), rm.config, tokenizer, tmp_path / "rm", mean=0.5, std=2.0)
+    hf = AutoModelForSequenceClassification.from_pretrained(out).eval()
+    assert hf.config.num_labels == 1 and hf.config.reward_mean == 0.5 and hf.config.reward_std == 2.0
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    with torch.no_grad():
+        ours = rm(input_ids=ids)[0, -1]
+        theirs = hf.score(hf.model(input_ids=ids).last_hidden_state)[0, -1, 0]
+        logits = hf(input_ids=ids).logits[0, 0]  # HF's own last-token pooling
+    assert torch.allclose(ours, theirs, atol=1e-5) and torch.allclose(ours, logits, atol=1e-5)
+    again = RewardModel.from_pretrained(str(out), FP32)  # our loader reads the saved head back
+    assert torch.equal(again.score.weight, rm.score.weight)
+
+
+def test_reference_is_frozen_and_matches_the_actor(lm, tiny):
+    ref = Reference(load_causal_lm(str(tiny), FP32, trainable=False), torch.device("cpu"), offload=True)
+    assert not any(p.requires_grad for p in ref.module.parameters())
+    batch = pad_batch(_samples(2), pad_id=0)
+    with torch.no_grad():
+        assert torch.allclose(ref.logprobs(batch), Actor(lm)(batch).logprobs)
+
+
+def test_attention_choice():
+    assert attn_implementation(None) in ("sdpa", "flash_attention_2")
+    assert attn_implementation("eager") == "eager"
+    if not torch.cuda.is_available():
+        from treadle.common.config import ConfigError
+
+        with pytest.raises(ConfigError, match="flash-attn"):
+            attn_implementation("flash_attention_2")
+
+
+def test_lora_trains_only_adapters_and_exports_merged(tiny, tokenizer, tmp_path):
+    from types import SimpleNamespace
+
+    from transformers import AutoModelForCausalLM
+
+    from treadle.trainer.checkpoint.export import full_state_dict, save_causal_lm
+    from treadle.trainer.config.deepspeed import LoraConfig
+
+    ds = DeepSpeedConfig(param_dtype="fp32", attn_implementation="sdpa", lora=LoraConfig(rank=4, alpha=8))
+    model = load_causal_lm(str(tiny), ds, trainable=True)
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)
+    torch.manual_seed(0)
+    with torch.no_grad():  # peft starts B at 0 (a no-op adapter): give it weights so merging matters
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(std=0.05)
+    state = full_state_dict(SimpleNamespace(module=model), zero_stage=0, is_main=True)
+    assert not any("lora_" in k or "base_layer" in k for k in state)
+    out = save_causal_lm(state, model.get_base_model().config, tokenizer, tmp_path / "merged")
+    merged = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad():
+        assert torch.allclose(merged(input_ids=ids).logits, model.eval()(input_ids=ids).logits, atol=1e-5)
+    assert any("lora_" in n for n, _ in model.named_parameters())  # the trained model keeps its adapters
+
+
+def test_critic_gives_a_value_per_token_the_same_packed_or_padded(tiny):
+    from treadle.trainer.models.critic import Critic
+
+    torch.manual_seed(0)
+    critic = Critic.from_pretrained(str(tiny), FP32).eval()
+    samples = _samples(3, seed=2)
+    pad, pack = pad_batch(samples, pad_id=0), pack_batch(samples)
+    with torch.no_grad():
+        a, b = critic(**pad.model_inputs()), critic(**pack.model_inputs())
+    assert a.shape == pad.input_ids.shape and b.shape == pack.input_ids.shape
+    assert torch.allclose(a[pad.seq_index >= 0], b[0], atol=1e-5)
