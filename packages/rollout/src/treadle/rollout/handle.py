@@ -1,0 +1,177 @@
+"""The front end's handle on one engine process: spawn, wait until it answers, call it, kill it.
+
+An ``EngineHandle`` owns one ``python -m treadle.rollout.worker`` process (in its own process
+group, so killing it takes vLLM's children too) and one ``RpcClient`` to it. Calls race the
+process's exit: a call or stream to a process that dies raises ``EngineDead`` at once instead
+of waiting for a reply that will never come. The pool drives the state machine::
+
+    starting -> catching_up -> ready <-> quarantined, behind (holds an older weight version)
+                                 |  -> draining -> stopped      (scale down)
+        any -> dead -> starting (restart)  or  -> stopped (too many restarts / pool closed)
+
+What this module does not do: decide anything (routing, restarts, weights: ``pool``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import os
+import signal
+import sys
+import time
+from collections.abc import AsyncIterator
+from typing import Any, Literal
+
+from treadle.common.errors import EngineDead, RequestTimeout, TreadleError
+from treadle.common.log import get_logger
+from treadle.common.rpc import RpcClient
+from treadle.rollout.worker import WorkerSpec
+
+log = get_logger(__name__)
+State = Literal["starting", "catching_up", "ready", "behind", "quarantined", "draining", "dead", "stopped"]
+
+
+class EngineHandle:
+    """One engine process as the front end sees it."""
+
+    def __init__(self, *, slot: int, engine_id: str, spec: WorkerSpec, env: dict[str, str],
+                 cpus: tuple[int, ...] = ()) -> None:
+        self.slot = slot
+        self.cpus = cpus  # the cores the engine computes on
+        self.engine_id = engine_id
+        self.spec = spec
+        self._env = env
+        self.state: State = "starting"
+        self.reason = ""  # why quarantined / dead / stopped
+        self.version = 0  # weight version the engine holds
+        self.load = 0  # samples the front end sent and the engine has not returned
+        self.restarts = 0
+        self.base_rank = 0  # first weight-group rank of this engine's workers (0: not a member)
+        self.stats: dict[str, Any] = {}  # the engine's last ``stats`` answer
+        self.proc: asyncio.subprocess.Process | None = None
+        self.client: RpcClient | None = None
+        self.dead = asyncio.Event()
+        self.parts: set[Any] = set()  # in-flight generate parts (``dispatch.Part``) on this engine
+        self.started_at = 0.0
+        self._swept = False  # the process group was killed after the worker exited
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid if self.proc is not None else 0
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and not self.dead.is_set()
+
+    def describe(self) -> dict[str, Any]:
+        s = self.stats
+        return {"engine_id": self.engine_id, "slot": self.slot, "state": self.state, "reason": self.reason,
+                "pid": self.pid, "version": self.version, "load": self.load, "restarts": self.restarts,
+                "cpus": list(self.cpus), "running": s.get("running", 0), "waiting": s.get("waiting", 0),
+                "gated": s.get("gated", 0), "tokens_per_s": s.get("tokens_per_s", 0.0),
+                "tokens_generated": s.get("tokens_generated", 0), "sleeping": s.get("sleeping", False)}
+
+    # ------------------------------------------------------------------ process
+
+    async def spawn(self) -> None:
+        """Start a fresh worker process (a restart reuses the handle)."""
+        self.dead = asyncio.Event()
+        # ``load`` is not reset: the parts of a dead incarnation give theirs back as they end.
+        self.state, self.reason, self.version, self.base_rank = "starting", "", 0, 0
+        self.stats = {}
+        self._swept = False
+        self.proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "treadle.rollout.worker", self.spec.to_json(),
+            env=self._env, stdin=asyncio.subprocess.DEVNULL, start_new_session=True)
+        self.client = RpcClient(self.spec.endpoint, name=f"engine:{self.engine_id}", timeout_s=math.inf)
+        self.started_at = time.monotonic()
+        log.info("engine %s: started process %d (cores %s)", self.engine_id, self.proc.pid, list(self.cpus))
+
+    async def wait_exit(self) -> int:
+        """The process's exit status, once it has exited; marks the handle dead."""
+        assert self.proc is not None
+        code = await self.proc.wait()
+        self.dead.set()
+        return code
+
+    async def wait_ready(self, timeout_s: float) -> None:
+        """Wait until the worker answers (its engine is loaded); raise if it exits or times out.
+
+        One call: ZeroMQ queues it until the worker binds, and ``call`` fails it if the process exits.
+        """
+        try:
+            reply = await self.call("stats", timeout=timeout_s)
+        except EngineDead:
+            raise EngineDead(f"engine {self.engine_id} exited with status {self.proc.returncode} while "
+                             "starting (its log is above)") from None
+        except RequestTimeout:
+            raise RequestTimeout(f"engine {self.engine_id} did not answer within {timeout_s:g} s of "
+                                 "starting (raise --start_timeout_s)") from None
+        self.stats = dict(reply.args)
+
+    def kill(self) -> None:
+        """SIGKILL the worker's whole process group (vLLM's children included).
+
+        Also after the worker itself died: its group outlives it while a child (vLLM's engine
+        core) is still running, and such an orphan would hold memory and a core.
+        """
+        if self.proc is None or self._swept:
+            return
+        # One sweep after the leader exited, right away: later its pid could name someone else.
+        self._swept = self.proc.returncode is not None
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+
+    async def stop(self, grace_s: float = 5.0) -> None:
+        """Ask the worker to close, wait ``grace_s``, then kill it; closes the RPC client."""
+        if self.alive:
+            with contextlib.suppress(TreadleError, asyncio.TimeoutError):
+                await self.call("close", timeout=max(grace_s, 0.1))
+            if self.proc is not None:
+                try:
+                    await asyncio.wait_for(asyncio.shield(self.proc.wait()), grace_s)
+                except asyncio.TimeoutError:
+                    self.kill()
+        self.kill()
+        if self.proc is not None:
+            await self.proc.wait()
+        self.dead.set()
+        if self.client is not None:
+            await self.client.close()
+
+    # ------------------------------------------------------------------ calls
+
+    def _gone(self) -> EngineDead:
+        code = self.proc.returncode if self.proc is not None else None
+        return EngineDead(f"engine {self.engine_id} (pid {self.pid}) died (exit status {code})")
+
+    async def call(self, method: str, msg: Any = None, *, timeout: float | None = None) -> Any:
+        """One RPC to the worker; ``EngineDead`` as soon as the process is gone."""
+        if self.dead.is_set() or self.client is None:
+            raise self._gone()
+        call = asyncio.ensure_future(self.client.call(method, msg, timeout=timeout or math.inf))
+        call.add_done_callback(_retrieve)  # abandoned when the process dies: its error is moot
+        died = asyncio.ensure_future(self.dead.wait())
+        try:
+            await asyncio.wait({call, died}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            died.cancel()
+            if not call.done():
+                call.cancel()
+        if call.cancelled() or not call.done():
+            raise self._gone()
+        return call.result()
+
+    def stream(self, method: str, msg: Any) -> AsyncIterator[Any]:
+        """A streamed RPC; the caller's task is cancelled by the pool if the process dies."""
+        if self.dead.is_set() or self.client is None:
+            raise self._gone()
+        return self.client.stream(method, msg, timeout=math.inf)
+
+
+def _retrieve(task: asyncio.Future[Any]) -> None:
+    """Mark an abandoned call's outcome as seen (asyncio logs unseen task errors)."""
+    if not task.cancelled():
+        task.exception()

@@ -1,0 +1,205 @@
+"""The daemon's pure parts, without processes: failover bookkeeping, placement, config, errors,
+the command line's flag set, and the client's import weight."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from treadle.common.config import ConfigError, flag_names, parse
+from treadle.common.errors import BadRequest, EngineDead, InternalError
+from treadle.common.records import GenerateRequest, GenerateResult, SamplingParams
+from treadle.rollout import dispatch
+from treadle.rollout.config import EngineOptions, ScaleConfig, ServeConfig, engine_fields, placement
+from treadle.rollout.errors import EnginesQuarantined, NoEngine, WeightGroupStale, refine, tagged
+
+# ------------------------------------------------------------------------------ failover
+
+
+class FakeEngine:
+    """A handle whose ``generate`` stream follows a script: yield some samples, then maybe die."""
+
+    def __init__(self, engine_id, script):
+        self.engine_id, self.script = engine_id, script
+        self.load, self.parts, self.seen = 0, set(), []
+
+    async def _gen(self, sub):
+        self.seen.append(sub)
+        for step in self.script(sub):
+            if isinstance(step, BaseException):
+                raise step
+            await asyncio.sleep(0)
+            yield GenerateResult(response_token_ids=np.array([step], dtype=np.int32), index=step,
+                                 key=sub.key, engine_id=self.engine_id)
+
+    def stream(self, method, sub):
+        assert method == "generate"
+        return self._gen(sub)
+
+
+class FakeRouter:
+    def __init__(self, *engines):
+        self.queue, self.failed, self.failovers = list(engines), [], 0
+
+    async def pick(self, n, min_version):
+        h = self.queue[0] if len(self.queue) == 1 else self.queue.pop(0)
+        h.load += n
+        return h
+
+    def engine_failed(self, handle, exc):
+        self.failed.append(handle.engine_id)
+
+    def note_failover(self, samples):
+        self.failovers += samples
+
+
+def run_job(req, router, max_retries=3):
+    async def go():
+        return [r async for r in dispatch.generate(req, router, max_retries)]
+
+    return asyncio.run(go())
+
+
+REQ = GenerateRequest(prompt_token_ids=np.array([1, 2, 3], dtype=np.int32),
+                      sampling=SamplingParams(n=4, seed=10, max_tokens=4), key="job")
+
+
+def test_failover_keeps_delivered_samples_and_regenerates_the_rest_with_shifted_seeds():
+    # e0 sends samples 0 and 2 (and 2 again), then reports itself dead; e1 serves the rest.
+    dying = FakeEngine("e0", lambda sub: [0, 2, 2, EngineDead("gone")])
+    spare = FakeEngine("e1", lambda sub: [0])
+    router = FakeRouter(dying, spare)
+    out = run_job(REQ, router)
+    assert sorted(r.index for r in out) == [0, 1, 2, 3]  # each once, the duplicate 2 dropped
+    assert all(r.key == "job" for r in out)
+    assert [(s.sampling.n, s.sampling.seed) for s in spare.seen] == [(1, 11), (1, 13)]  # s + i
+    assert {r.index: r.engine_id for r in out} == {0: "e0", 2: "e0", 1: "e1", 3: "e1"}
+    assert router.failed == ["e0"] and router.failovers == 2
+    assert dying.load == 0 and spare.load == 0 and not dying.parts and not spare.parts
+
+
+def test_unseeded_requests_stay_unseeded_on_failover():
+    sub = dispatch.single_sample(GenerateRequest(prompt_token_ids=np.array([1]), sampling=SamplingParams(n=3)), 2)
+    assert (sub.sampling.n, sub.sampling.seed) == (1, None)
+
+
+def test_failover_gives_up_after_max_retries():
+    always_dying = FakeEngine("e0", lambda sub: [EngineDead("gone")])
+    with pytest.raises(EngineDead, match="max_retries 2"):
+        run_job(REQ, FakeRouter(always_dying), max_retries=2)
+
+
+def test_a_bad_request_is_not_failed_over():
+    refusing = FakeEngine("e0", lambda sub: [BadRequest("prompt too long")])
+    router = FakeRouter(refusing)
+    with pytest.raises(BadRequest, match="too long"):
+        run_job(REQ, router)
+    assert router.failovers == 0 and router.failed == []
+
+
+def test_an_engine_that_ends_early_is_an_internal_error():
+    with pytest.raises(InternalError, match=r"without samples \[1, 3\]"):
+        run_job(REQ, FakeRouter(FakeEngine("e0", lambda sub: [0, 2])))
+
+
+# ------------------------------------------------------------------------------ placement / config
+
+
+def test_placement_gives_each_engine_its_own_cores_when_there_are_enough():
+    cores = [0, 1, 2, 3]
+    assert [placement(k, 2, 1, cores).cpus for k in range(2)] == [(0, 1), (2, 3)]
+    assert [placement(k, 2, 1, cores).cpu_bind for k in range(2)] == ["0,1", "2,3"]
+    tp = [placement(k, 2, 2, cores) for k in range(2)]
+    assert [(p.cpu_bind, p.threads_per_rank) for p in tp] == [("0|1", 1), ("2|3", 1)]
+
+
+def test_placement_shares_cores_round_robin_when_there_are_too_few():
+    assert [placement(k, 3, 1, [0, 1]).cpus for k in range(3)] == [(0,), (1,), (0,)]
+    assert placement(0, 1, 1, [0, 1]).cpus == (0, 1)
+    assert placement(1, 2, 1, [0, 1], gpu_ids=(0, 1, 2, 3)).gpus == (1,)
+    assert placement(1, 2, 2, [], gpu_ids=(0, 1, 2, 3)).gpus == (2, 3)
+    unbound = placement(0, 2, 1, [0, 1], bind=False)
+    assert (unbound.cpus, unbound.cpu_bind) == ((), None)
+
+
+def test_engine_fields_fit_each_backends_config():
+    from treadle.rollout.engine.hf_engine import HfEngineConfig
+    from treadle.rollout.worker import engine_config
+
+    where = placement(1, 2, 1, [0, 1])
+    cfg = ServeConfig(model="/m", engines=2, backend="hf", engine=EngineOptions(eos_token_ids=(2,)))
+    hf = engine_config("hf", engine_fields(cfg, "e1", where))
+    assert isinstance(hf, HfEngineConfig) and (hf.engine_id, hf.dtype, hf.eos_token_ids) == ("e1", "float32", (2,))
+    vllm = engine_fields(ServeConfig(model="/m", engines=2, tensor_parallel_size=1), "e1", where)
+    assert (vllm["cpu_threads_bind"], vllm["omp_num_threads"], vllm["multiprocess"]) == ("1", 1, False)
+
+
+@pytest.mark.parametrize("flags,needle", [
+    ([], "--model is required"),
+    (["--model", "m", "--engines", "0"], "--engines must be >= 1"),
+    (["--model", "m", "--backend", "hf", "--tensor-parallel-size", "2"], "--backend hf"),
+    (["--model", "m", "--engine.max_model_len", "1"], "--engine.max_model_len"),
+])
+def test_serve_config_refuses_bad_values_naming_the_flag(flags, needle):
+    with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):
+        parse(ServeConfig, flags)
+
+
+def test_issue_spelling_of_the_serve_flags_parses():
+    cfg = parse(ServeConfig, ["--model", "m", "--engines", "3", "--tensor-parallel-size", "2", "--backend", "vllm"])
+    assert (cfg.engines, cfg.tensor_parallel_size, cfg.ranks_per_engine, cfg.backend) == (3, 2, 2, "vllm")
+    assert parse(ScaleConfig, ["--engines", "4"]).engines == 4
+
+
+SERVE_FLAGS = [
+    "--backend", "--config", "--cpu_bind", "--cpus", "--curve_dir", "--drain_timeout_s", "--endpoint", "--engine.device",
+    "--engine.dtype", "--engine.enable_prefix_caching", "--engine.enable_sleep_mode", "--engine.enforce_eager",
+    "--engine.eos_token_ids", "--engine.gpu_memory_utilization", "--engine.kv_cache_memory_bytes",
+    "--engine.max_batch_samples", "--engine.max_model_len", "--engine.max_num_seqs", "--engine.multiprocess",
+    "--engine.no_enable_prefix_caching", "--engine.no_enable_sleep_mode", "--engine.no_enforce_eager",
+    "--engine.no_multiprocess", "--engine.seed", "--engines", "--gpu_ids", "--health_interval_s",
+    "--health_timeout_s", "--help", "--keep_weights", "--max_in_flight_samples", "--max_restarts",
+    "--max_retries", "--metrics_host", "--metrics_port", "--model", "--no_cpu_bind", "--no_keep_weights",
+    "--pipeline_parallel_size", "--route_timeout_s", "--run_dir", "--start_timeout_s", "--tensor_parallel_size", "-h",
+]
+
+
+def test_the_serve_flag_set_is_pinned():
+    assert flag_names(ServeConfig) == SERVE_FLAGS
+
+
+def test_the_cli_refuses_unknown_commands_and_bad_flags():
+    run = [sys.executable, "-m", "treadle.rollout"]
+    unknown = subprocess.run([*run, "launch"], capture_output=True, text=True)
+    assert unknown.returncode == 2 and "unknown command" in unknown.stderr
+    bad = subprocess.run([*run, "serve", "--engines", "2"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "--model is required" in bad.stderr
+    # A non-loopback address without CURVE keys is refused before any engine starts.
+    exposed = subprocess.run([*run, "serve", "--model", "/nonexistent", "--endpoint", "tcp://0.0.0.0:5999"],
+                             capture_output=True, text=True, timeout=60)
+    assert exposed.returncode == 1 and "without CURVE keys" in exposed.stderr
+
+
+# ------------------------------------------------------------------------------ errors / client
+
+
+def test_rollout_errors_survive_the_wire_as_their_own_classes():
+    from treadle.common.errors import error_for
+
+    for cls in (WeightGroupStale, EnginesQuarantined, NoEngine):
+        sent = tagged(cls, "details")
+        back = refine(error_for(sent.code, sent.message, sent.retryable))
+        assert type(back) is cls and back.message == sent.message
+    plain = error_for("bad_request", "something else")
+    assert refine(plain) is plain
+
+
+def test_the_client_imports_no_torch_vllm_or_transformers():
+    code = ("import sys, treadle.rollout.client; "
+            "print(sorted(m for m in ('torch', 'vllm', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
