@@ -11,7 +11,8 @@ or "treadle":
   message, is shown for context.
 
 Both sides share one ZeroMQ context (one IO thread); the treadle server and client share one
-event loop, so the numbers compare the Python work per message, not thread hand-offs. Run:
+event loop (uvloop's when installed, as ``LoopThread`` uses), so the numbers compare the Python
+work per message, not thread hand-offs. Run:
 ``.venv/bin/python -m pytest tools/bench/test_bench_rpc.py --benchmark-only -m bench``.
 """
 
@@ -22,9 +23,11 @@ import asyncio
 import numpy as np
 import pytest
 import zmq
+
 from treadle.common.codec import encode
 from treadle.common.records import Ack, Control, WeightUpdate
 from treadle.common.rpc import RpcClient, RpcServer
+from treadle.common.rpc.sync import new_event_loop
 
 PAYLOAD_BYTES = 64 << 20
 REQUESTS = 2000
@@ -52,7 +55,7 @@ def payload():
 @pytest.fixture(scope="module")
 def treadle_rpc():
     """(loop, client) with an RpcServer serving ``put`` and ``echo`` on the same loop."""
-    loop = asyncio.new_event_loop()
+    loop = new_event_loop()
     server = RpcServer(name="bench", handlers={"put": _put, "echo": _echo},
                        max_frame_bytes=2 * PAYLOAD_BYTES)
     endpoint = loop.run_until_complete(server.start())

@@ -20,6 +20,7 @@ import pytest
 import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
 from treadle.common.codec import decode, encode, peek_header
 from treadle.common.errors import ERRORS, TreadleError
 from treadle.common.records import Control, Error, GenerateRequest

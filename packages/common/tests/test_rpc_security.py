@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from treadle.common.errors import RequestTimeout
 from treadle.common.records import Ack, Control
 from treadle.common.rpc import (

@@ -10,6 +10,7 @@ import msgspec
 import numpy as np
 import pytest
 import zmq
+
 from treadle.common.codec import PROTOCOL_MAJOR, decode, encode
 from treadle.common.errors import (
     BadRequest,

@@ -6,6 +6,7 @@ import asyncio
 import threading
 
 import pytest
+
 from treadle.common.errors import InternalError, RequestTimeout, ServiceClosed, UnknownMethod
 from treadle.common.records import Ack, Control
 from treadle.common.rpc import LoopThread, RpcClient, RpcServer, ServerThread, SyncRpcClient

@@ -30,35 +30,41 @@ RECV_BATCH = 256
 """Messages received per turn before the pump lets other tasks (the handlers) run."""
 _RETRY_S = 0.001
 _RETRY_MAX_S = 0.05
+"""Back-off when a send would block (a full pipe); ZMQ_POLLOUT is not per peer on a ROUTER."""
 _NOBLOCK = int(zmq.NOBLOCK)
 _MORE = int(zmq.NOBLOCK | zmq.SNDMORE)
 # The backend's send: pyzmq's Python-level wrapper only adds DRAFT-socket options we never use,
 # and a Python frame per send is measurable at tens of thousands of messages per second.
 _send = zmq.backend.Socket.send
-"""Back-off when a send would block (a full pipe); ZMQ_POLLOUT is not per peer on a ROUTER."""
+_COPY_BELOW = zmq.COPY_THRESHOLD
+"""``bytes`` frames shorter than this are sent by copy: cheaper than pyzmq's zero-copy wrapper,
+which would copy them anyway (its ``copy_threshold``) after building a memoryview."""
 
 
 class Pump:
     """Owns ``sock``: sends what ``send`` queued, passes each received message to ``on_message``.
 
     ``on_message(frames)`` runs inside the pump task and must not block; it may call ``send``.
-    Frames arrive as a list of ``zmq.Frame`` (zero-copy); with ``first_as_bytes`` the first
-    arrives as ``bytes`` (a ROUTER's peer identity, used as a dict key).
+    Frames arrive as a list of ``zmq.Frame`` (zero-copy) but for two, which arrive as ``bytes``:
+    with ``routed``, the first (a ROUTER's peer identity, a dict key); with ``header_as_bytes``,
+    the message's own first frame, its header (small, and decoded faster from ``bytes``).
     ``on_send_error(frames, exc)`` is told about a message that could not be sent (its peer is
     gone); it is dropped. The pump closes the socket when it ends (``linger_ms`` for queued
     messages to leave), however it ends.
     """
 
-    __slots__ = ("_sock", "_on_message", "_on_send_error", "_first_as_bytes", "_outbox", "_wake",
-                 "_stopping", "_task", "_linger_ms", "_retry_s")
+    __slots__ = ("_sock", "_on_message", "_on_send_error", "_routed", "_header_as_bytes", "_outbox",
+                 "_wake", "_stopping", "_task", "_linger_ms", "_retry_s")
 
     def __init__(self, sock: zmq.Socket, on_message: Callable[[list[Any]], None], *,
-                 first_as_bytes: bool, on_send_error: Callable[[list[Any], Exception], None] | None = None,
+                 routed: bool, header_as_bytes: bool = True,
+                 on_send_error: Callable[[list[Any], Exception], None] | None = None,
                  linger_ms: int = 1000) -> None:
         self._sock = sock
         self._on_message = on_message
         self._on_send_error = on_send_error
-        self._first_as_bytes = first_as_bytes
+        self._routed = routed
+        self._header_as_bytes = header_as_bytes
         self._outbox: deque[list[Any]] = deque()
         self._wake: asyncio.Future[None] | None = None
         self._stopping = False
@@ -102,6 +108,10 @@ class Pump:
                 if self._stopping and (blocked or not self._outbox):
                     return  # what cannot leave now is dropped: the socket's linger covers the rest
                 received = 0 if self._stopping else self._drain()
+                if received and self._outbox and not blocked:
+                    # Replies made while reading (handlers that finished at once) leave now, so
+                    # ZeroMQ's I/O thread works on them while this loop runs everything else.
+                    blocked = self._flush()
                 if received or (self._outbox and not blocked):
                     await asyncio.sleep(0)  # let the handlers just created (or woken) run
                     continue
@@ -128,9 +138,11 @@ class Pump:
         while outbox:
             frames = outbox[0]
             n = len(frames)
+            f = frames[0]
+            by_copy = type(f) is bytes and len(f) < _COPY_BELOW
             try:
                 # Only the first frame can block: the rest of a multipart message follows it.
-                _send(sock, frames[0], _MORE if n > 1 else _NOBLOCK, copy=False)
+                _send(sock, f, _MORE if n > 1 else _NOBLOCK, by_copy)
             except zmq.Again:
                 return True
             except zmq.ZMQError as e:  # EHOSTUNREACH: the peer disconnected (ROUTER_MANDATORY)
@@ -143,24 +155,30 @@ class Pump:
             outbox.popleft()
             self._retry_s = _RETRY_S
             for i in range(1, n):
-                _send(sock, frames[i], _MORE if i < n - 1 else _NOBLOCK, copy=False)
+                f = frames[i]
+                by_copy = type(f) is bytes and len(f) < _COPY_BELOW
+                _send(sock, f, _MORE if i < n - 1 else _NOBLOCK, by_copy)
         return False
 
     def _drain(self) -> int:
         """Receive up to RECV_BATCH waiting messages and hand each to ``on_message``."""
-        on_message, as_bytes, recv = self._on_message, self._first_as_bytes, self._sock.recv
+        on_message, recv = self._on_message, self._sock.recv
+        routed, as_bytes = self._routed, self._header_as_bytes
         n = 0
         while n < RECV_BATCH:
             try:
-                frame = recv(_NOBLOCK, copy=False)
+                if routed:  # the identity by copy: a Frame costs more, and a body always follows it
+                    frames: list[Any] = [recv(_NOBLOCK)]
+                    frame = recv(0, copy=False)
+                else:
+                    frames = []
+                    frame = recv(_NOBLOCK, copy=False)
             except zmq.Again:
                 break
-            frames: list[Any] = [frame]
+            frames.append(frame.bytes if as_bytes else frame)
             while frame.more:  # cheaper than getsockopt(RCVMORE), which builds an enum each call
                 frame = recv(0, copy=False)
                 frames.append(frame)
-            if as_bytes:
-                frames[0] = frames[0].bytes
             n += 1
             try:
                 on_message(frames)

@@ -18,13 +18,15 @@ import heapq
 import itertools
 import logging
 import math
+import threading
 from collections import deque
 from collections.abc import AsyncIterator
 from typing import Any
 
 import zmq
+
 from treadle.common import env
-from treadle.common.codec import Message, decode, encode, peek_header
+from treadle.common.codec import StreamDecoder, encode, peek_header
 from treadle.common.errors import (
     CodecError,
     RequestTimeout,
@@ -38,6 +40,7 @@ from treadle.common.rpc._pump import Pump
 from treadle.common.rpc.curve import ClientCurve, apply_client
 
 log = logging.getLogger(__name__)
+_get_ident = threading.get_ident
 _END = object()
 _DEADLINE_SLACK_S = 0.005
 
@@ -76,10 +79,16 @@ class RpcClient:
         self._linger_ms = int(linger_s * 1000)
         self._ids = itertools.count(1)
         self._pending: dict[int, asyncio.Future[Any] | _StreamSink] = {}
+        self._decoder = StreamDecoder()
         self._pump: Pump | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread = 0
+        """The thread ``_loop`` last ran in: running there, it is the running loop."""
         self._closed = False
         self._deadlines: list[tuple[float, int, str, float]] = []
+        self._in_order: dict[int, tuple[float, str]] = {}
+        """(deadline, method) of calls with the default timeout, by id: oldest first (a dict
+        keeps insertion order), so these need no heap."""
         self._deadline_timer: asyncio.TimerHandle | None = None
         self._deadline_at = math.inf
 
@@ -96,6 +105,7 @@ class RpcClient:
         if self._closed:
             raise ServiceClosed(f"client of {self.endpoint} is closed")
         self._loop = asyncio.get_running_loop()
+        self._thread = _get_ident()
         ctx = self._context or zmq.Context.instance()
         sock = ctx.socket(zmq.DEALER)
         try:
@@ -107,7 +117,7 @@ class RpcClient:
         except BaseException:
             sock.close(linger=0)
             raise
-        self._pump = Pump(sock, self._on_message, first_as_bytes=False, linger_ms=self._linger_ms)
+        self._pump = Pump(sock, self._on_message, routed=False, linger_ms=self._linger_ms)
         self._pump.start(name=f"rpc-client:{self.name}").add_done_callback(self._pump_done)
         return self._pump
 
@@ -118,6 +128,7 @@ class RpcClient:
         if asyncio.get_running_loop() is not self._loop:
             raise RuntimeError(f"client of {self.endpoint} is bound to the event loop it first ran in; "
                                f"use one RpcClient per loop (or SyncRpcClient from threads)")
+        self._thread = _get_ident()  # the loop runs in this thread now
         return pump
 
     def _pump_done(self, task: asyncio.Task[None]) -> None:
@@ -150,26 +161,41 @@ class RpcClient:
         """
         if self._closed:
             raise ServiceClosed(f"client of {self.endpoint} is closed; cannot call {method!r}")
-        pump = self._pump_of_this_loop()
-        t = self._timeout(timeout)
+        pump, loop = self._pump, self._loop
+        # The cheap test first: asyncio.get_running_loop() costs a getpid() system call.
+        if pump is None or _get_ident() != self._thread or not loop.is_running():  # type: ignore[union-attr]
+            pump = self._pump_of_this_loop()
+            loop = self._loop
+        t = self._timeout_s if timeout is None else float(timeout)
+        if not t > 0:
+            raise ValueError(f"timeout must be > 0 seconds (math.inf for none), got {t}")
         rid = next(self._ids)
         frames = encode(msg, id=rid, op="call", method=method)
-        fut = self._loop.create_future()  # type: ignore[union-attr]
-        self._pending[rid] = fut
+        fut = loop.create_future()  # type: ignore[union-attr]
+        pending = self._pending
+        pending[rid] = fut
         pump.send(frames)
-        if t != math.inf:
+        in_order = self._in_order
+        if t == self._timeout_s and t != math.inf:
+            when = loop.time() + t  # type: ignore[union-attr]
+            in_order[rid] = (when, method)
+            if when < self._deadline_at:
+                self._schedule_deadlines(when)
+        elif t != math.inf:
             self._arm_deadline(rid, method, t)
         try:
             return await fut
         except asyncio.CancelledError:
-            if rid in self._pending and not self._closed:
+            if rid in pending and not self._closed:
                 pump.send(encode(None, id=rid, op="cancel"))
             raise
         finally:
-            self._pending.pop(rid, None)
+            pending.pop(rid, None)
+            in_order.pop(rid, None)
 
-    # Deadlines: one heap of plain tuples and one loop timer for the earliest, instead of a
-    # TimerHandle per call (their Python-level heap comparisons were ~10% of a small call).
+    # Deadlines: one loop timer for the earliest, instead of a TimerHandle per call (their
+    # Python-level heap comparisons were ~10% of a small call). Calls with the default timeout
+    # expire in call order (``_in_order``); others go through one heap of plain tuples.
 
     def _arm_deadline(self, rid: int, method: str, t: float) -> None:
         when = self._loop.time() + t  # type: ignore[union-attr]
@@ -188,15 +214,28 @@ class RpcClient:
 
     def _expire_due(self) -> None:
         self._deadline_timer, self._deadline_at = None, math.inf
-        heap, now = self._deadlines, self._loop.time()  # type: ignore[union-attr]
+        heap, in_order, now = self._deadlines, self._in_order, self._loop.time()  # type: ignore[union-attr]
         while heap and heap[0][0] <= now:
             _, rid, method, t = heapq.heappop(heap)
-            fut = self._pending.get(rid)
-            if isinstance(fut, asyncio.Future) and not fut.done():
-                fut.set_exception(self._timeout_error(rid, method, t))
-                self._pump.send(encode(None, id=rid, op="cancel"))  # type: ignore[union-attr]
-        if heap:  # a little slack so a steady stream of calls does not wake the loop each time
-            self._schedule_deadlines(max(heap[0][0], now + _DEADLINE_SLACK_S))
+            self._expire(rid, method, t)
+        while in_order:
+            rid = next(iter(in_order))
+            when, method = in_order[rid]
+            if when > now:
+                break
+            del in_order[rid]
+            self._expire(rid, method, self._timeout_s)
+        earliest = min(heap[0][0] if heap else math.inf,
+                       next(iter(in_order.values()))[0] if in_order else math.inf)
+        # A little slack, so that a steady stream of calls does not wake the loop each time.
+        if earliest != math.inf:
+            self._schedule_deadlines(max(earliest, now + _DEADLINE_SLACK_S))
+
+    def _expire(self, rid: int, method: str, t: float) -> None:
+        fut = self._pending.get(rid)
+        if isinstance(fut, asyncio.Future) and not fut.done():
+            fut.set_exception(self._timeout_error(rid, method, t))
+            self._pump.send(encode(None, id=rid, op="cancel"))  # type: ignore[union-attr]
 
     def _timeout_error(self, rid: int, method: str, t: float) -> RequestTimeout:
         return RequestTimeout(
@@ -250,34 +289,35 @@ class RpcClient:
 
     def _on_message(self, frames: list[Any]) -> None:
         try:
-            m = decode(frames, max_frame_bytes=self._max_frame)
+            env, msg = self._decoder.decode(frames, self._max_frame)
         except TreadleError as e:
             self._fail_undecodable(frames, e)
             return
-        pending = self._pending.get(m.id)
+        pending = self._pending.get(env.id)
         if pending is None:
             return  # a late answer to a request that timed out or was cancelled
-        if isinstance(pending, _StreamSink):
-            self._to_stream(pending, m)
+        op = env.op
+        if type(pending) is _StreamSink:
+            self._to_stream(pending, op, msg)
         elif not pending.done():
-            if m.op == "reply":
-                pending.set_result(m.msg)
-            elif m.op == "error":
-                pending.set_exception(_error(m))
+            if op == "reply":
+                pending.set_result(msg)
+            elif op == "error":
+                pending.set_exception(_error(msg))
             else:
-                pending.set_exception(CodecError(f"a call got a {m.op!r} message; expected 'reply' or 'error'"))
+                pending.set_exception(CodecError(f"a call got a {op!r} message; expected 'reply' or 'error'"))
 
-    def _to_stream(self, sink: _StreamSink, m: Message) -> None:
+    def _to_stream(self, sink: _StreamSink, op: str, msg: Record | None) -> None:
         if sink.finished:
             return
-        if m.op == "chunk":
-            sink.push(m.msg)
-        elif m.op == "end":
+        if op == "chunk":
+            sink.push(msg)
+        elif op == "end":
             sink.push(_END)
-        elif m.op == "error":
-            sink.push(_error(m))
+        elif op == "error":
+            sink.push(_error(msg))
         else:
-            sink.push(CodecError(f"a stream got a {m.op!r} message; expected 'chunk', 'end' or 'error'"))
+            sink.push(CodecError(f"a stream got a {op!r} message; expected 'chunk', 'end' or 'error'"))
 
     def _fail_undecodable(self, frames: list[Any], e: TreadleError) -> None:
         try:
@@ -309,6 +349,7 @@ class RpcClient:
                 pump.send(encode(None, id=rid, op="cancel"))
         self._pending.clear()
         self._deadlines.clear()
+        self._in_order.clear()
         if self._deadline_timer is not None:
             self._deadline_timer.cancel()
         if pump is not None and pump.task is not None:
@@ -330,8 +371,7 @@ def _expire_waiter(waiter: asyncio.Future[bool]) -> None:
         waiter.set_result(False)
 
 
-def _error(m: Message) -> TreadleError:
-    err = m.msg
+def _error(err: Record | None) -> TreadleError:
     if not isinstance(err, Error):
         return CodecError(f"an error reply must carry an Error record, got {type(err).__name__}")
     return error_for(err.code, err.message, err.retryable)

@@ -23,8 +23,9 @@ from pathlib import Path
 
 import zmq
 import zmq.auth
-from treadle.common import env
 from zmq.auth.thread import ThreadAuthenticator
+
+from treadle.common import env
 
 ALLOW_DIR = "authorized_clients"
 

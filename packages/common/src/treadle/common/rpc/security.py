@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Annotated
 
 import tyro
+
 from treadle.common.rpc.curve import (
     ALLOW_DIR,
     ClientCurve,

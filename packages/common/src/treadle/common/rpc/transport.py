@@ -13,6 +13,7 @@ from __future__ import annotations
 import ipaddress
 
 import zmq
+
 from treadle.common import env
 
 HOW_TO_KEYS = (
