@@ -265,3 +265,28 @@ def test_stream_decoder_equals_decode_across_type_switches_and_errors():
             stream.decode(frames, 50 if match == "limit is 50" else None)
         with pytest.raises(exc, match=match):
             decode(frames, max_frame_bytes=50 if match == "limit is 50" else None)
+
+
+@async_test
+async def test_replies_that_are_not_records_or_cannot_be_encoded_are_named():
+    async def gives_none_chunk(msg, ctx):
+        yield None
+
+    async def unencodable(msg, ctx):
+        return GenerateResult(response_token_ids=np.array([object()], dtype=object))
+
+    async def nothing(msg, ctx):
+        return None
+
+    server = RpcServer(name="replies", handlers={"chunk": gives_none_chunk, "bad": unencodable, "ack": nothing})
+    client = RpcClient(await server.start(), timeout_s=10)
+    try:
+        with pytest.raises(InternalError, match="'chunk' produced NoneType None; expected a Record"):
+            async for _ in client.stream("chunk"):
+                pass
+        with pytest.raises(InternalError, match="cannot encode the GenerateResult that 'bad' produced"):
+            await client.call("bad")
+        assert await client.call("ack") == Ack()
+    finally:
+        await client.close()
+        await server.close(grace_s=0.5)

@@ -177,10 +177,7 @@ def _middle(op: str, method: str, type_name: str) -> bytes:
 def encode(msg: Record | None, *, id: int = 0, op: Op = "call", method: str = "",
            inline_max: int = INLINE_MAX_BYTES) -> list[Any]:
     """Frames for ``msg``: ``[header_bytes, buffer, buffer, ...]``; buffers are not copied."""
-    if msg is None:
-        type_name = ""
-    else:
-        type_name = _WIRE_NAMES.get(type(msg)) or _wire_name(msg)
+    type_name = "" if msg is None else _WIRE_NAMES.get(type(msg)) or _wire_name(msg)
     mid = _MIDDLES.get((op, method, type_name)) or _middle(op, method, type_name)
     idb = _SMALL_IDS[id] if type(id) is int and 0 <= id < 128 else _encode_item(id)
     if msg is None:

@@ -32,7 +32,7 @@ from typing import Any, Union
 import zmq
 
 from treadle.common.codec import PROTOCOL_MAJOR, StreamDecoder, encode, peek_header
-from treadle.common.errors import TreadleError
+from treadle.common.errors import CodecError, TreadleError
 from treadle.common.records import Ack, Control, Error, Record
 from treadle.common.rpc import transport
 from treadle.common.rpc._eager import Starter
@@ -303,15 +303,16 @@ class RpcServer:
         self._send(ident, frames)
 
     def _encode_out(self, out: Any, ctx: RequestContext, op: str) -> list[Any]:
-        if not isinstance(out, Record):
-            if out is None and op == "reply":
-                out = _ACK
-            else:
-                raise _BadReply(f"handler {ctx.method!r} produced {type(out).__name__} {_short(out)}; "
-                                f"expected a Record")
+        if out is None and op == "reply":
+            out = _ACK
         try:
-            return encode(out, id=ctx.id, op=op)  # type: ignore[arg-type]
+            if out is None:
+                raise CodecError("None")
+            return encode(out, id=ctx.id, op=op)  # raises CodecError for what is not a record
         except TreadleError as e:
+            if not isinstance(out, Record):
+                raise _BadReply(f"handler {ctx.method!r} produced {type(out).__name__} {_short(out)}; "
+                                f"expected a Record") from None
             raise _BadReply(f"cannot encode the {out.wire_name} that {ctx.method!r} produced: {e.message}") from None
 
     def _cancelled_frames(self, ctx: RequestContext) -> list[Any]:

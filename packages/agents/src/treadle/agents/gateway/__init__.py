@@ -1,0 +1,1 @@
+"""The OpenAI-compatible agent gateway (``treadle-agents serve``): see ``server``."""
