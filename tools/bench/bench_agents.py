@@ -2,7 +2,10 @@
 """Benchmark: episodes/s of a 3-turn environment, through the executor vs through the gateway.
 
 Starts a real rollout daemon (``python -m treadle.rollout serve``, ``--backend`` hf or vllm,
-one engine, the ``--preset`` tiny model built into a temp folder) and a real gateway
+one engine, the ``--preset`` tiny model built into a temp folder; ``--no_cpu_bind``, so the engine
+keeps this process's OMP_NUM_THREADS: with 1, a busy neighbour on the shared 2-core machine slows
+it down instead of stalling its OpenMP barriers, and the other core is left to the clients and
+the gateway) and a real gateway
 (``python -m treadle.agents serve``), each its own process. The environment answers every turn
 with a user message and ends after 3 turns; every turn samples exactly ``--tokens`` tokens
 (``min_tokens = max_tokens``), so both paths do the same engine work per episode.
@@ -180,7 +183,8 @@ def main(args: Args) -> None:
         model = build_model(args.preset, Path(tmp) / args.preset)
         port = 5600 + os.getpid() % 300
         daemon, rollout = start([sys.executable, "-m", "treadle.rollout", "serve", "--model", str(model),
-                                 "--engines", "1", "--backend", args.backend, "--endpoint", f"tcp://127.0.0.1:{port}"],
+                                 "--engines", "1", "--backend", args.backend, "--endpoint", f"tcp://127.0.0.1:{port}",
+                                 "--no_cpu_bind"],
                                 r"serving (\S+)")
         try:
             gateway, url = start([sys.executable, "-m", "treadle.agents", "serve", "--model", str(model),

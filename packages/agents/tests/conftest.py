@@ -63,7 +63,7 @@ def child_env() -> dict[str, str]:
     """This process's environment with the treadle sources importable (editable install or not)."""
     from treadle.common.env import child_env as base
 
-    env = base()
+    env = base({"OMP_NUM_THREADS": "1"})
     env["PYTHONPATH"] = os.pathsep.join([*SRC, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     return env
 
@@ -149,7 +149,9 @@ def rollout_daemon(aio: Loop, model_dir: Path, *flags: str) -> Any:
 @pytest.fixture(scope="session")
 def daemon(aio: Loop, model_dir: Path) -> str:
     """Endpoint of a running one-engine hf rollout daemon on ``model_dir``."""
-    with rollout_daemon(aio, model_dir, "--backend", "hf") as endpoint:
+    # unpinned, one OpenMP thread (OMP_NUM_THREADS=1 in child_env): two pinned threads stall for
+    # seconds whenever a neighbour takes one of the machine's two cores
+    with rollout_daemon(aio, model_dir, "--backend", "hf", "--no_cpu_bind") as endpoint:
         yield endpoint
 
 

@@ -37,8 +37,6 @@ def test_vllm_multi_turn_layout_and_logprobs(aio, vllm_sampler, chat) -> None:
     ep = games(1, seed=2)[0]
     t = aio(ex.run(ep))
     assert t.finish_reason != "error" and t.info["turns"] == 3, t.info
-    env = GuessingEnv(max_turns=3)
-    aio(env.reset(ep))
     resp = t.response_token_ids
     for (a, b), (nxt, _) in zip(t.info["spans"], [*t.info["spans"][1:], (resp.shape[0], 0)], strict=True):
         assert t.loss_mask[a:b].all() and not t.loss_mask[b:nxt].any()

@@ -41,12 +41,17 @@ def warm_start(model_dir: Path, chat: Any, *, steps: int = 300, lr: float = 1e-2
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).train()
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     loss = torch.tensor(0.0)
-    for _ in range(steps):
-        loss = model(input_ids=ids, labels=ids).loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        if loss.item() < 3e-3:
-            break
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one thread: same result on any machine, no stalls on a busy one
+    try:
+        for _ in range(steps):
+            loss = model(input_ids=ids, labels=ids).loss
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if loss.item() < 3e-3:
+                break
+    finally:
+        torch.set_num_threads(threads)
     model.eval().save_pretrained(str(model_dir), safe_serialization=True)
     return float(loss.item())
