@@ -113,6 +113,7 @@ async def one_round(transport: str, target: object, a: Args, seed: int) -> float
 
 async def measure(name: str, zmq: str, http: str, a: Args) -> dict[str, list[float]]:
     import aiohttp
+
     from treadle.rewards.client import RewardClient
 
     times: dict[str, list[float]] = {"http": [], "zmq": []}

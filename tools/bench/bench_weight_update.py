@@ -88,6 +88,7 @@ async def bench(args: Args, model: Path) -> None:
     import numpy as np
     import torch
     from safetensors.torch import load_file
+
     from treadle.common.records import WeightUpdate
     from treadle.rollout.engine.group import GroupSpec, WeightGroup
     from treadle.rollout.engine.weights import plan_buckets

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import requests
 import tomllib
+
 from treadle.common.config import dump_yaml, flag_names, load_yaml, parse
 from treadle.rewards.cli import main
 from treadle.rewards.config import ServeConfig

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+
 from treadle.common.errors import BadRequest, Unauthorized
 from treadle.rewards.client import HttpRewardClient, RewardClient, SyncRewardClient
 from treadle.rewards.config import HttpConfig, WorkerConfig

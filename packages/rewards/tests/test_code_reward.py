@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+
 from treadle.rewards.api import RewardBatch
 from treadle.rewards.code_reward import (
     CodeTest,

@@ -7,6 +7,7 @@ import os
 
 import pytest
 import requests
+
 from treadle.common.config import ConfigError
 from treadle.common.records import same
 from treadle.common.rpc import generate_keys, load_client_keys

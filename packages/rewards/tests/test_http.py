@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import requests
+
 from treadle.rewards.client import HttpRewardClient
 from treadle.rewards.config import HttpConfig
 

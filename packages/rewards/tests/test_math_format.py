@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 
 import pytest
+
 from treadle.rewards.api import RewardBatch
 from treadle.rewards.format_reward import format_ok, format_reward
 from treadle.rewards.math_reward import answers_match, label_answer, last_boxed, math_reward

@@ -7,6 +7,7 @@ import shutil
 
 import numpy as np
 import pytest
+
 from treadle.rewards.client import HttpRewardClient, SyncRewardClient
 from treadle.rewards.config import RMConfig, ShapingConfig, WorkerConfig
 

@@ -15,6 +15,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+
 from treadle.rewards.sandbox import Sandbox, SandboxLimits, SandboxUnavailable
 
 ROOT_LINUX = os.geteuid() == 0

@@ -6,6 +6,7 @@ import asyncio
 
 import numpy as np
 import pytest
+
 from treadle.common.errors import BadRequest
 from treadle.common.records import RewardRequest, same
 from treadle.rewards.api import RewardBatch, RewardOutput

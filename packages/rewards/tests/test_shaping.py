@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
 from treadle.rewards.shaping import dapo_overlong_penalty, stop_properly_penalty, weighted_sum
 
 

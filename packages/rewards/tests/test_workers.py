@@ -7,6 +7,7 @@ import asyncio
 import os
 
 import pytest
+
 from treadle.rewards.api import RewardBatch
 from treadle.rewards.loader import FunctionSpec, load, parse_ref
 from treadle.rewards.workers import FunctionPool, WorkerDied

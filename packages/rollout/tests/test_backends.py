@@ -8,6 +8,7 @@ import sys
 
 import numpy as np
 import pytest
+
 from treadle.common.records import GenerateRequest, SamplingParams
 from treadle.rollout.engine import ENGINES
 

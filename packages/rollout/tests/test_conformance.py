@@ -11,6 +11,7 @@ import threading
 
 import numpy as np
 import pytest
+
 from treadle.common.errors import BadRequest, Busy, EngineDead
 from treadle.common.records import GenerateRequest, SamplingParams, WeightUpdate
 from treadle.rollout.engine import CanaryMismatch, GroupSpec, WeightMismatch

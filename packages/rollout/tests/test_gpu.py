@@ -12,6 +12,7 @@ import threading
 import numpy as np
 import pytest
 import torch
+
 from treadle.common.records import GenerateRequest, SamplingParams, WeightUpdate
 from treadle.rollout.engine.group import GroupSpec, WeightGroup, send_buckets
 from treadle.rollout.engine.hf_engine import HfEngine, HfEngineConfig

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import torch
+
 from treadle.rollout.engine.sampling import (
     mask_stop_tokens,
     processed_logprobs,

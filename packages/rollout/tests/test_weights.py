@@ -7,6 +7,7 @@ import threading
 import numpy as np
 import pytest
 import torch
+
 from treadle.common.errors import BadRequest
 from treadle.rollout.engine.group import GroupSpec, WeightGroup, receive_buckets, send_buckets
 from treadle.rollout.engine.weights import (

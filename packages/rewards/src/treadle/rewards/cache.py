@@ -23,6 +23,7 @@ from typing import Any
 
 import msgspec
 import numpy as np
+
 from treadle.common.errors import BadRequest
 from treadle.common.records import RewardRequest, RewardResult
 

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+
 from treadle.common.errors import TreadleError, error_for
 from treadle.common.records import Control, RewardRequest, RewardResult
 from treadle.common.rpc import ClientCurve, RpcClient, SyncRpcClient

@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 from aiohttp import web
+
 from treadle.common.errors import TreadleError
 from treadle.common.log import get_logger
 from treadle.common.records import RewardRequest, RewardResult

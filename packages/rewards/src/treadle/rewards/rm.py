@@ -24,6 +24,7 @@ from typing import Any, Literal
 
 import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
 from treadle.rewards.api import RewardBatch, RewardOutput
 
 DType = Literal["float32", "bfloat16", "float16"]

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
 from treadle.common.errors import BadRequest
 from treadle.common.log import get_logger
 from treadle.common.metrics import ServiceMetrics

@@ -25,6 +25,7 @@ import traceback
 from typing import Any, BinaryIO
 
 import msgspec
+
 from treadle.rewards.api import RewardBatch, RewardOutput, concat_outputs, normalize_output
 from treadle.rewards.loader import FunctionSpec, LoadedFunction, load
 

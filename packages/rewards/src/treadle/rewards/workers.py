@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+
 from treadle.common import env
 from treadle.common.log import get_logger
 from treadle.rewards.api import RewardBatch, RewardOutput

@@ -31,6 +31,7 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any, ClassVar, Literal
 
 import numpy as np
+
 from treadle.common.errors import BadRequest, Busy, EngineDead, ServiceClosed
 from treadle.common.records import GenerateRequest, GenerateResult, WeightUpdate
 from treadle.rollout.engine.group import GroupSpec

@@ -25,6 +25,7 @@ from typing import Any, Literal
 
 import numpy as np
 import torch
+
 from treadle.common.log import get_logger
 from treadle.common.records import FinishReason, GenerateRequest, GenerateResult, WeightUpdate
 from treadle.rollout.engine.base import Engine

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
+
 from treadle.common.errors import BadRequest, EngineDead
 from treadle.common.records import FinishReason, GenerateRequest, GenerateResult, WeightUpdate
 from treadle.rollout.engine.base import Engine

@@ -32,6 +32,7 @@ from treadle.trainer.config.ckpt import CheckpointConfig
 from treadle.trainer.strategy.deepspeed import DistInfo
 
 STATE_FILE = "state.json"
+EXTRA_FILE = "extra.json"
 DS_TAG = "ds"
 
 
@@ -95,8 +96,12 @@ class Checkpointer:
         done = self.complete()
         return done[-1] if done else None
 
-    def save(self, engine: Any, state: TrainState, *, write_hf: Callable[[Path], None] | None = None) -> Path:
-        """Save ``engine`` and ``state`` as ``step_<global_step>``; every rank must call it."""
+    def save(self, engine: Any, state: TrainState, *, write_hf: Callable[[Path], None] | None = None,
+             more_engines: dict[str, Any] | None = None, extra: dict[str, Any] | None = None) -> Path:
+        """Save ``engine`` and ``state`` as ``step_<global_step>``; every rank must call it.
+
+        ``more_engines``: further DeepSpeed engines by tag (PPO's critic); ``extra``: JSON-able
+        recipe state saved beside ``state.json`` (``read_extra``)."""
         final = _step_dir(self.root, state.global_step)
         tmp = self.root / f"{TMP_PREFIX}{final.name}"
         if self.dist.is_main:
@@ -105,27 +110,40 @@ class Checkpointer:
         _barrier()
         if not self.cfg.disable_ds:
             engine.save_checkpoint(str(tmp), tag=DS_TAG, save_latest=False)
+            for tag, other in (more_engines or {}).items():
+                other.save_checkpoint(str(tmp), tag=tag, save_latest=False)
         self._save_rng(tmp)
         if write_hf is not None:
             write_hf(tmp / "hf")  # collective: all ranks gather, rank 0 writes
         _barrier()
         if self.dist.is_main:
+            if extra is not None:
+                (tmp / EXTRA_FILE).write_text(json.dumps(extra, indent=1))
             (tmp / STATE_FILE).write_text(json.dumps(dataclasses.asdict(state), indent=1))
             publish(tmp, final)
             self.prune(state.best_step)
         _barrier()
         return final
 
-    def load(self, engine: Any, path: Path) -> TrainState:
-        """Restore ``engine`` (weights, optimizer, schedule) and this rank's RNG from ``path``."""
-        if not (path / DS_TAG).is_dir():
-            raise FileNotFoundError(f"{path} has no DeepSpeed state (saved with --ckpt.disable_ds): cannot resume from it")
-        load_path, _ = engine.load_checkpoint(str(path), tag=DS_TAG, load_optimizer_states=True,
-                                              load_lr_scheduler_states=True)
-        if load_path is None:
-            raise RuntimeError(f"DeepSpeed could not load the checkpoint in {path}")
+    def load(self, engine: Any, path: Path, *, more_engines: dict[str, Any] | None = None) -> TrainState:
+        """Restore ``engine`` (and ``more_engines`` by tag: weights, optimizer, schedule) and this
+        rank's RNG from ``path``."""
+        for tag, eng in ((DS_TAG, engine), *(more_engines or {}).items()):
+            if not (path / tag).is_dir():
+                raise FileNotFoundError(f"{path} has no DeepSpeed state {tag!r} (saved with --ckpt.disable_ds, "
+                                        "or by another recipe): cannot resume from it")
+            load_path, _ = eng.load_checkpoint(str(path), tag=tag, load_optimizer_states=True,
+                                               load_lr_scheduler_states=True)
+            if load_path is None:
+                raise RuntimeError(f"DeepSpeed could not load {tag!r} from the checkpoint in {path}")
         self._load_rng(path)
         return TrainState(**json.loads((path / STATE_FILE).read_text()))
+
+    @staticmethod
+    def read_extra(path: Path) -> dict[str, Any]:
+        """The recipe state saved with the checkpoint in ``path`` ({} when none)."""
+        f = path / EXTRA_FILE
+        return json.loads(f.read_text()) if f.is_file() else {}
 
     def prune(self, keep_step: int | None) -> None:
         """Keep the newest ``max_num`` checkpoints and ``keep_step``'s (the best); then delete the

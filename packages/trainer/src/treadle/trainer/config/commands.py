@@ -198,6 +198,8 @@ class PPOConfig:
     """Metric logging."""
     eval: RLEvalConfig = RLEvalConfig()
     """Held-out evaluation by sampling."""
+    local_rank: int = -1
+    """Set by the deepspeed launcher (--local_rank=N); torchrun uses LOCAL_RANK instead."""
 
     def __post_init__(self) -> None:
         _require(self.actor.model_name_or_path, "--actor.model_name_or_path")

@@ -163,6 +163,9 @@ class PolicyConfig(TrainedRoleConfig):
     """Dual-clip constant c > 1 bounding the loss of negative-advantage tokens; None: off."""
     entropy_coef: float | None = None
     """Entropy bonus weight; 0 only logs the entropy; None: neither."""
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
+    """How per-token policy losses are averaged: over every token of the step, per sequence then over
+    sequences, or summed per sequence then averaged over sequences (Dr. GRPO's constant normaliser)."""
 
     def __post_init__(self) -> None:
         TrainedRoleConfig.__post_init__(self)

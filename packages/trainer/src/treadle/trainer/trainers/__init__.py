@@ -1,4 +1,4 @@
-"""Trainers, one module per recipe: ``sft``, ``rm``, ``dpo``, ``kto``; ``base`` holds the loop
+"""Trainers, one module per recipe: ``sft``, ``rm``, ``dpo``, ``kto``, ``ppo`` (RL, with ``ppo_build``); ``base`` holds the loop
 they share and ``build`` the set-up (process group, data, model, engine, logger).
 
 ``RECIPES`` maps a ``treadle-train`` command to its ``run(config)`` (imported lazily by the CLI).
@@ -11,5 +11,6 @@ RECIPES: dict[str, str] = {
     "rm": "treadle.trainer.trainers.rm",
     "dpo": "treadle.trainer.trainers.dpo",
     "kto": "treadle.trainer.trainers.kto",
+    "ppo": "treadle.trainer.trainers.ppo",
 }
 """Command -> module defining ``run(cfg)``."""

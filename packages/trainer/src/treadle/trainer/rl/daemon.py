@@ -1,0 +1,115 @@
+"""The rollout daemon an RL run generates with: one that is already running, or one started here.
+
+With ``--vllm.endpoint`` the trainer connects to a ``treadle-rollout serve`` started by the user
+(or the integration launcher) and leaves it running. Without it, the trainer starts one as a
+child process on a free loopback port, serving the actor's starting weights with the ``--vllm.*``
+settings, waits until every engine is ready, and stops it (SIGTERM, then SIGKILL of its process
+group) when the run ends, also when the run fails.
+
+Not here: talking to the daemon (``treadle.rollout.client``), or what is generated (``generation``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+from treadle.common import env
+from treadle.common.config import ConfigError
+from treadle.common.log import get_logger
+
+log = get_logger(__name__)
+DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DaemonSpec:
+    """What a daemon started by the trainer serves."""
+
+    model: str
+    """HF folder of the actor's starting weights."""
+    engines: int
+    """Engines in the pool."""
+    backend: str
+    """"vllm" or "hf"."""
+    tensor_parallel_size: int
+    """GPUs per engine."""
+    dtype: str
+    """Serving dtype (the trainer's parameter dtype, so logprobs agree)."""
+    max_model_len: int
+    """Prompt + response tokens per sample."""
+    gpu_memory_utilization: float
+    """vLLM's memory share."""
+    enable_prefix_caching: bool
+    """Reuse KV blocks of shared prefixes."""
+    enforce_eager: bool
+    """No CUDA graphs."""
+    enable_sleep: bool
+    """Allow real sleep (GPU)."""
+    seed: int
+    """Engine seed."""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serve_args(spec: DaemonSpec, endpoint: str) -> list[str]:
+    """``treadle-rollout serve`` flags for ``spec`` (pure)."""
+    args = ["--model", spec.model, "--engines", str(spec.engines), "--backend", spec.backend,
+            "--endpoint", endpoint, "--engine.dtype", spec.dtype, "--engine.max_model_len", str(spec.max_model_len),
+            "--engine.seed", str(spec.seed),
+            "--engine.gpu_memory_utilization", str(spec.gpu_memory_utilization)]
+    if spec.backend == "vllm":
+        args += ["--tensor_parallel_size", str(spec.tensor_parallel_size)]
+        args.append("--engine.enable_prefix_caching" if spec.enable_prefix_caching else "--engine.no_enable_prefix_caching")
+        if spec.enforce_eager:
+            args.append("--engine.enforce_eager")
+        if spec.enable_sleep:
+            args.append("--engine.enable_sleep_mode")
+    return args
+
+
+class OwnedDaemon:
+    """A ``treadle-rollout serve`` child process; ``stop`` ends it and its engines."""
+
+    def __init__(self, spec: DaemonSpec, *, start_timeout_s: float = 900.0) -> None:
+        self.endpoint = f"tcp://127.0.0.1:{_free_port()}"
+        cmd = [sys.executable, "-m", "treadle.rollout", "serve", *serve_args(spec, self.endpoint)]
+        log.info("starting rollout daemon", extra={"fields": {"cmd": " ".join(cmd)}})
+        self.proc = subprocess.Popen(cmd, env=env.child_env(), start_new_session=True, stdin=subprocess.DEVNULL)
+        self.start_timeout_s = start_timeout_s
+
+    def wait_ready(self, client: object) -> float:
+        """Block until every engine serves (through ``client``, a SyncRolloutClient); seconds waited."""
+        start = time.perf_counter()
+        deadline = start + self.start_timeout_s
+        while True:
+            if self.proc.poll() is not None:
+                raise ConfigError(f"the rollout daemon exited with status {self.proc.returncode} while starting "
+                                  "(its log is above); check --vllm.* and the model folder")
+            try:
+                client.wait_ready(timeout=5.0)
+                return time.perf_counter() - start
+            except TimeoutError:
+                if time.perf_counter() > deadline:
+                    self.stop()
+                    raise TimeoutError(f"rollout daemon not ready within {self.start_timeout_s:g} s") from None
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(30)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(10)

@@ -1,0 +1,104 @@
+"""From scored experiences to advantages: reward shaping, IS correction, KL penalty, baselines.
+
+``finalize`` runs, on the whole rollout batch (every rank holds it, so every rank computes the
+same numbers), the steps OpenRLHF's experience maker runs after the forward passes:
+
+1. episode reward: the trajectory's reward (or the reward model's score), then DAPO's overlong
+   penalty, the stop-properly penalty and clipping (``rl.shaping``);
+2. the importance-sampling correction weights of rollout/trainer mismatch (``rl.correction``), or 1;
+3. the per-token KL to the reference, subtracted from the reward unless it is a loss term (``rl.kl``);
+4. the group baseline of the estimator, then returns and advantages (``rl.advantages``).
+
+It fills the ``advantages``, ``returns`` and ``is_weights`` action arrays and returns the step's
+metrics. Group order: experiences come group by group, ``n`` consecutive samples per prompt.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from treadle.trainer.rl.advantages import GROUP_BASELINES, compute_advantages, token_rewards
+from treadle.trainer.rl.correction import is_correction, logprob_gap
+from treadle.trainer.rl.experience import Experience, stack, unstack
+from treadle.trainer.rl.kl import KL_ESTIMATORS
+from treadle.trainer.rl.shaping import clip_rewards, overlong_penalty, stop_properly
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ReturnsConfig:
+    """What ``finalize`` needs from ``--algo.*``, ``--reward.*`` and ``--rollout.*``."""
+
+    estimator: str
+    group_size: int
+    gamma: float
+    lambd: float
+    std_norm: bool
+    kl_coef: float
+    """Current KL coefficient (0: no reference)."""
+    kl_estimator: str
+    kl_in_reward: bool
+    """Subtract the KL from the reward (False: the actor's loss has it)."""
+    clip_range: tuple[float, float]
+    max_new_tokens: int
+    overlong_buffer_len: float | None
+    overlong_penalty_factor: float
+    stop_properly_coef: float | None
+    is_kind: str | None
+    """IS correction type; None: off (weights 1)."""
+    is_band: tuple[float, float]
+
+
+def episode_rewards(exps: Sequence[Experience], cfg: ReturnsConfig) -> torch.Tensor:
+    """[B] float32 shaped episode rewards (steps 1 of the module docstring)."""
+    r = torch.tensor([e.reward for e in exps], dtype=torch.float32)
+    if cfg.overlong_buffer_len is not None:
+        lengths = torch.tensor([e.response_length for e in exps], dtype=torch.float32)
+        r = r + overlong_penalty(lengths, cfg.max_new_tokens, cfg.overlong_buffer_len, cfg.overlong_penalty_factor)
+    if cfg.stop_properly_coef is not None:
+        stopped = torch.tensor([not e.traj.truncated for e in exps])
+        r = stop_properly(r, stopped, cfg.stop_properly_coef)
+    return clip_rewards(r, *cfg.clip_range)
+
+
+def finalize(exps: Sequence[Experience], cfg: ReturnsConfig) -> dict[str, float]:
+    """Fill ``is_weights``, ``advantages`` and ``returns`` of ``exps``; the step's metrics."""
+    old, mask = stack(exps, "old_logp")
+    rollout, _ = stack(exps, "rollout_logp")
+    gap_mean, gap_max = logprob_gap(old, rollout, mask)
+    metrics = {"logprob_gap/mean": gap_mean, "logprob_gap/max": gap_max}
+    if cfg.is_kind is None:
+        weights = mask.float()
+    else:
+        weights, keep = is_correction(old, rollout, mask, kind=cfg.is_kind, low=cfg.is_band[0], high=cfg.is_band[1])
+        weights = (weights * keep).float()
+        metrics["is/kept_frac"] = float(keep.sum() / mask.sum().clamp(min=1))
+    unstack(exps, "is_weights", weights)
+
+    shaped = episode_rewards(exps, cfg)
+    kl = None
+    if "ref_logp" in exps[0].arrays:
+        ref, _ = stack(exps, "ref_logp")
+        kl = KL_ESTIMATORS[cfg.kl_estimator](old, ref) * mask
+        per_seq = kl.sum(1) / mask.sum(1).clamp(min=1)
+        metrics["kl"] = float(per_seq.mean())
+    final = GROUP_BASELINES[cfg.estimator](shaped, cfg.group_size)
+    rewards = token_rewards(final, mask, kl if cfg.kl_in_reward else None, cfg.kl_coef)
+    values = stack(exps, "values")[0] if cfg.estimator == "gae" else None
+    adv, ret = compute_advantages(cfg.estimator, token_rewards=rewards, mask=mask, values=values, gamma=cfg.gamma,
+                                  lambd=cfg.lambd, std_norm=cfg.std_norm)
+    unstack(exps, "advantages", adv)
+    unstack(exps, "returns", ret)
+    raw = np.array([e.reward for e in exps], dtype=np.float64)
+    lengths = np.array([e.response_length for e in exps], dtype=np.float64)
+    metrics.update({
+        "reward/mean": float(raw.mean()), "reward/std": float(raw.std()),
+        "reward/shaped_mean": float(shaped.mean()), "advantages/mean": float(adv[mask].mean()),
+        "advantages/abs_mean": float(adv[mask].abs().mean()), "returns/mean": float(ret[mask].mean()),
+        "response_length/mean": float(lengths.mean()), "response_length/max": float(lengths.max()),
+        "truncated_frac": float(np.mean([e.traj.truncated for e in exps])),
+    })
+    return metrics

@@ -1,0 +1,98 @@
+"""Moving RL data between the trainer's ranks: rank 0's trajectories to every rank, and every
+rank's per-action results to every rank.
+
+Trajectories travel as treadle's wire codec frames (a ``TrajectoryBatch``: msgpack header plus raw
+buffers, no pickle) joined into one byte tensor and broadcast over the trainer's process group.
+Per-action arrays (old-policy and reference logprobs, values) computed by each rank on its share
+are all-gathered as one float tensor, so every rank then holds the whole batch's arrays and runs
+the same (deterministic) advantage computation. With one rank both are no-ops.
+
+Not here: which rank computes which share (``trainers.ppo``).
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from treadle.common.codec import decode, encode
+from treadle.common.records import Trajectory, TrajectoryBatch
+from treadle.trainer.rl.experience import Experience
+
+
+def _world() -> int:
+    return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+
+
+def frames_to_bytes(frames: Sequence[object]) -> bytes:
+    """``[count][len_0]...[len_n-1]`` (little-endian u64) then the frames back to back."""
+    views = [memoryview(f).cast("B") for f in frames]
+    head = struct.pack(f"<Q{len(views)}Q", len(views), *(v.nbytes for v in views))
+    return b"".join([head, *views])
+
+
+def bytes_to_frames(data: bytes | memoryview) -> list[memoryview]:
+    """Inverse of ``frames_to_bytes`` (views into ``data``)."""
+    mv = memoryview(data)
+    (count,) = struct.unpack_from("<Q", mv, 0)
+    sizes = struct.unpack_from(f"<{count}Q", mv, 8)
+    out, at = [], 8 + 8 * count
+    for n in sizes:
+        out.append(mv[at:at + n])
+        at += n
+    if at != mv.nbytes:
+        raise ValueError(f"frame bundle: {mv.nbytes} bytes but the frames add up to {at}")
+    return out
+
+
+def broadcast_trajectories(trajs: list[Trajectory] | None, step: int, device: torch.device) -> list[Trajectory]:
+    """Rank 0's ``trajs`` on every rank (others pass None)."""
+    if _world() == 1:
+        assert trajs is not None
+        return trajs
+    rank = torch.distributed.get_rank()
+    if rank == 0:
+        payload = frames_to_bytes(encode(TrajectoryBatch(trajectories=list(trajs or []), step=step)))
+        size = torch.tensor([len(payload)], dtype=torch.int64, device=device)
+    else:
+        size = torch.zeros(1, dtype=torch.int64, device=device)
+    torch.distributed.broadcast(size, 0)
+    buf = (torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device) if rank == 0
+           else torch.empty(int(size.item()), dtype=torch.uint8, device=device))
+    torch.distributed.broadcast(buf, 0)
+    if rank == 0:
+        return list(trajs or [])
+    msg = decode(bytes_to_frames(buf.cpu().numpy().tobytes()))
+    return list(msg.msg.trajectories)
+
+
+def share_of(count: int, world: int, rank: int) -> list[int]:
+    """Indices rank ``rank`` computes: a contiguous, nearly equal slice (pure)."""
+    per, extra = divmod(count, world)
+    start = rank * per + min(rank, extra)
+    return list(range(start, start + per + (rank < extra)))
+
+
+def all_gather_arrays(exps: Sequence[Experience], names: Sequence[str], device: torch.device) -> None:
+    """Every rank computed ``names`` for its ``share_of`` the experiences; afterwards all have all."""
+    world = _world()
+    if world == 1 or not names:
+        return
+    rank = torch.distributed.get_rank()
+    mine = share_of(len(exps), world, rank)
+    flat = np.concatenate([exps[i].arrays[n] for i in mine for n in names] or [np.zeros(0, np.float32)])
+    longest = max(sum(exps[i].num_actions for i in share_of(len(exps), world, r)) * len(names) for r in range(world))
+    send = torch.zeros(max(longest, 1), dtype=torch.float32, device=device)
+    send[: flat.shape[0]] = torch.from_numpy(flat.astype(np.float32))
+    parts = [torch.empty_like(send) for _ in range(world)]
+    torch.distributed.all_gather(parts, send)
+    for r, part in enumerate(parts):
+        values, at = part.cpu().numpy(), 0
+        for i in share_of(len(exps), world, r):
+            for n in names:
+                k = exps[i].num_actions
+                exps[i].arrays[n] = values[at:at + k].copy()
+                at += k

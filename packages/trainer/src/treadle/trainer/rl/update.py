@@ -1,0 +1,184 @@
+"""The model work of one RL step: scoring experiences (no gradients) and one optimizer step of the
+actor or the critic.
+
+Every function here runs on every trainer rank with that rank's share of the experiences; under
+ZeRO-3 each forward gathers parameters collectively, so all ranks run the same number of
+micro-batches (``micro_groups`` equalises them, as the supervised loop does).
+
+Normalisation (STYLE.md habit 3): before an optimizer step ranks all-reduce the step's units of
+the loss aggregation (tokens, or sequences); each micro-batch contributes ``total / units`` and is
+multiplied by the world size before ``backward`` (DeepSpeed averages gradients over ranks), so
+the gradient is the same however the step is split into micro-batches and ranks.
+
+Not here: the math (``rl.policy_loss``, ``rl.kl``), the loop (``trainers.ppo``).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from treadle.trainer.data.batching import by_count, by_tokens, split_to
+from treadle.trainer.models.actor import Actor
+from treadle.trainer.rl.experience import ActionBatch, Experience, as_sample, collate
+from treadle.trainer.rl.kl import KL_ESTIMATORS
+from treadle.trainer.rl.policy_loss import AGGREGATIONS, POLICY_LOSSES, value_loss
+from treadle.trainer.strategy.deepspeed import all_reduce
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Batching:
+    """How a rank's experiences are cut into micro-batches."""
+
+    micro_batch: int
+    """Experiences per micro-batch (by count)."""
+    token_budget: int | None
+    """Tokens per micro-batch (dynamic batching); None: by count."""
+    packing: bool
+    """Pack sequences into one row instead of padding."""
+    pad_id: int
+    """Padding token."""
+    device: torch.device
+    """Where the models compute."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PolicyLoss:
+    """The actor's loss settings (from ``--actor.*`` and ``--algo.kl.*``)."""
+
+    kind: str
+    """"ppo" or "gspo" (``POLICY_LOSSES``)."""
+    clip_low: float
+    clip_high: float
+    dual_clip: float | None
+    entropy_coef: float | None
+    """Entropy bonus weight; 0: only logged; None: entropy not computed."""
+    aggregation: str
+    """``AGGREGATIONS`` key."""
+    kl_coef: float
+    """Weight of the KL loss term (0: KL is in the reward or off)."""
+    kl_estimator: str
+    """``KL_ESTIMATORS`` key."""
+    temperature: float
+    """Sampling temperature (logprobs are of the sampling distribution)."""
+
+
+def micro_groups(exps: Sequence[Experience], b: Batching) -> list[list[int]]:
+    """Micro-batches (indices into ``exps``), as many on every rank."""
+    samples = [as_sample(e, k) for k, e in enumerate(exps)]
+    groups = by_tokens(samples, b.token_budget) if b.token_budget else by_count(samples, b.micro_batch)
+    count = int(all_reduce([len(groups)], b.device, op="max")[0])
+    groups = split_to(groups, count) if count > len(groups) else groups
+    return [[s.index for s in g] for g in groups]
+
+
+def _shift(values: Tensor) -> Tensor:
+    """Values computed at each token -> the value of the state *before* each token (column 0 = 0)."""
+    return torch.nn.functional.pad(values[:, :-1], (1, 0))
+
+
+@torch.no_grad()
+def score(exps: Sequence[Experience], b: Batching, *, actor: Any, reference: Any | None, critic: Any | None,
+          temperature: float) -> dict[str, float]:
+    """Fill ``old_logp`` (+ ``entropy``), ``ref_logp`` and ``values`` of ``exps``; returns entropy sums."""
+    sums: dict[str, float] = defaultdict(float)
+    for idx in micro_groups(exps, b):
+        group = [exps[i] for i in idx]
+        ab = collate(group, packing=b.packing, pad_id=b.pad_id, device=b.device)
+        out = Actor(actor)(ab.batch, temperature=temperature, with_entropy=True)
+        _store(group, "old_logp", ab.actions(out.logprobs), ab)
+        ent = ab.actions(out.entropy)
+        sums["entropy"] += float(ent.sum())
+        sums["tokens"] += float(ab.mask.sum())
+        if reference is not None:
+            _store(group, "ref_logp", ab.actions(reference.logprobs(ab.batch, temperature=temperature)), ab)
+        if critic is not None:
+            _store(group, "values", ab.actions(_shift(critic(**ab.batch.model_inputs()))), ab)
+    return dict(sums)
+
+
+def _store(group: Sequence[Experience], name: str, values: Tensor, ab: ActionBatch) -> None:
+    v = values.float().cpu().numpy()
+    for k, e in enumerate(group):
+        e.arrays[name] = v[k, : e.num_actions].copy()
+
+
+def _units(exps: Sequence[Experience], aggregation: str, device: torch.device) -> float:
+    agg = AGGREGATIONS[aggregation]
+    mine = sum(agg.units(torch.ones(1, e.num_actions, dtype=torch.bool)) for e in exps)
+    return max(all_reduce([mine], device)[0], 1.0)
+
+
+def actor_step(engine: Any, exps: Sequence[Experience], b: Batching, loss: PolicyLoss, world: int) -> dict[str, float]:
+    """One optimizer step of the actor on this rank's ``exps``; metrics are step means over all ranks."""
+    names = ["old_logp", "advantages", "is_weights"] + (["ref_logp"] if loss.kl_coef > 0 else [])
+    agg = AGGREGATIONS[loss.aggregation]
+    units = _units(exps, loss.aggregation, b.device)
+    groups = micro_groups(exps, b)
+    sums: dict[str, float] = defaultdict(float)
+    engine.train()
+    for k, idx in enumerate(groups):
+        ab = collate([exps[i] for i in idx], packing=b.packing, pad_id=b.pad_id, names=names, device=b.device)
+        out = Actor(engine)(ab.batch, temperature=loss.temperature, with_entropy=loss.entropy_coef is not None)
+        logp, m = ab.actions(out.logprobs), ab.mask
+        terms = POLICY_LOSSES[loss.kind](logp, ab.arrays["old_logp"], ab.arrays["advantages"], m,
+                                         clip_low=loss.clip_low, clip_high=loss.clip_high,
+                                         weights=ab.arrays["is_weights"], **_dual(loss))
+        per_token = terms.loss
+        if loss.kl_coef > 0:
+            kl = KL_ESTIMATORS[loss.kl_estimator](logp, ab.arrays["ref_logp"]) * m
+            per_token = per_token + loss.kl_coef * kl
+            sums["kl_loss"] += float(agg.total(kl.detach(), m))
+        if out.entropy is not None:
+            ent = ab.actions(out.entropy)
+            sums["entropy"] += float(agg.total(ent.detach(), m))
+            if loss.entropy_coef:
+                per_token = per_token - loss.entropy_coef * ent
+        step_loss = agg.total(per_token, m) / units
+        engine.set_gradient_accumulation_boundary(k == len(groups) - 1)
+        engine.backward(step_loss * world, scale_wrt_gas=False)
+        engine.step()
+        sums["policy_loss"] += float(agg.total(terms.loss.detach(), m))
+        sums["clip_frac"] += float(agg.total(terms.clipped.float(), m))
+        sums["ratio"] += float(agg.total(terms.ratio.detach() * m, m))
+    keys = sorted(sums)
+    reduced = all_reduce([sums[key] for key in keys], b.device)
+    metrics = {f"actor/{key}": v / units for key, v in zip(keys, reduced, strict=True)}
+    metrics["actor/lr"] = engine.get_lr()[0]
+    norm = engine.get_global_grad_norm()
+    if norm is not None:
+        metrics["actor/grad_norm"] = float(norm)
+    return metrics
+
+
+def _dual(loss: PolicyLoss) -> dict[str, Any]:
+    return {"dual_clip": loss.dual_clip} if loss.kind == "ppo" else {}
+
+
+def critic_step(engine: Any, exps: Sequence[Experience], b: Batching, *, clip: float | None, world: int) -> dict[str, float]:
+    """One optimizer step of the critic (clipped value loss, token mean over the step)."""
+    agg = AGGREGATIONS["token-mean"]
+    units = _units(exps, "token-mean", b.device)
+    groups = micro_groups(exps, b)
+    total = 0.0
+    engine.train()
+    for k, idx in enumerate(groups):
+        ab = collate([exps[i] for i in idx], packing=b.packing, pad_id=b.pad_id, names=["values", "returns"],
+                      device=b.device)
+        values = ab.actions(_shift(engine(**ab.batch.model_inputs())))
+        per_token = value_loss(values, ab.arrays["values"], ab.arrays["returns"], ab.mask, clip=clip)
+        step_loss = agg.total(per_token, ab.mask) / units
+        engine.set_gradient_accumulation_boundary(k == len(groups) - 1)
+        engine.backward(step_loss * world, scale_wrt_gas=False)
+        engine.step()
+        total += float(agg.total(per_token.detach(), ab.mask))
+    metrics = {"critic/loss": all_reduce([total], b.device)[0] / units, "critic/lr": engine.get_lr()[0]}
+    norm = engine.get_global_grad_norm()
+    if norm is not None:
+        metrics["critic/grad_norm"] = float(norm)
+    return metrics

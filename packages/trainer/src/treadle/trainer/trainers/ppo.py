@@ -1,0 +1,390 @@
+"""PPO-family RL (PPO, REINFORCE++, REINFORCE++-baseline, GRPO, Dr. GRPO, RLOO): the loop.
+
+One RL step: rank 0 gathers ``--rollout.batch_size`` complete groups (``n`` samples per prompt)
+from the generator (synchronously, or from the asynchronous producer's queue), appends each to
+the durable trajectory log before using it, drops failed groups, groups outside DAPO's filter and
+(async) samples staler than ``--train.async_queue_size`` versions, and broadcasts the
+trajectories to every rank. Every rank scores its share (old-policy / reference logprobs,
+values; ``rl.update.score``), the shares are exchanged, and every rank computes the same
+rewards, KL and advantages (``rl.returns``). Then ``--train.max_epochs`` passes over the batch
+in optimizer steps of ``--train.batch_size`` samples (critic, then actor unless frozen), a
+``mark_step`` record in the log, and the weight broadcast to the engines as the next version.
+
+Resume (``--ckpt.load_enable``): the newest checkpoint restores the actor, critic, KL coefficient
+and step ``c``; the log then gives back every group completed but not trained by step ``c``
+(trained first, in log order) and the prompts already completed (never generated again), and
+the engines get the checkpoint's weights before generating: each completed trajectory is
+trained exactly once in the resumed run's history. The whole loop is in view in ``fit`` (the
+documented exception to short functions).
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from treadle.common.log import get_logger
+from treadle.common.metrics import plot_curves
+from treadle.common.records import Trajectory
+from treadle.trainer.checkpoint.checkpointer import TrainState
+from treadle.trainer.config.commands import PPOConfig
+from treadle.trainer.rl.experience import Experience, from_trajectory
+from treadle.trainer.rl.generation import Group, PromptStream
+from treadle.trainer.rl.kl import KLController
+from treadle.trainer.rl.returns import ReturnsConfig, finalize
+from treadle.trainer.rl.shaping import dynamic_filter
+from treadle.trainer.rl.transfer import all_gather_arrays, broadcast_trajectories, share_of
+from treadle.trainer.rl.update import Batching, PolicyLoss, actor_step, critic_step, score
+from treadle.trainer.strategy.deepspeed import all_reduce
+from treadle.trainer.trainers.ppo_build import PPOParts, build_parts, close_parts
+
+log = get_logger(__name__)
+CRITIC_TAG = "critic"
+
+
+class PPOTrainer:
+    """Drives a PPO-family run over the parts ``ppo_build`` made."""
+
+    def __init__(self, parts: PPOParts) -> None:
+        self.p = parts
+        self.cfg: PPOConfig = parts.cfg
+        self.dist = parts.dist
+        cfg = self.cfg
+        kl = cfg.algo.kl
+        self.kl = KLController(coef=kl.init_coef, target=kl.target, horizon=kl.horizon)
+        self.batching = Batching(micro_batch=cfg.train.micro_batch_size,
+                                 token_budget=cfg.train.max_tokens_per_gpu if cfg.train.dynamic_batch_enable else None,
+                                 packing=cfg.ds.packing_samples, pad_id=parts.tokenizer.pad_token_id or 0,
+                                 device=self.dist.device)
+        self.score_batching = Batching(micro_batch=cfg.rollout.micro_batch_size,
+                                       token_budget=(cfg.rollout.max_tokens_per_gpu or cfg.train.max_tokens_per_gpu)
+                                       if cfg.train.dynamic_batch_enable else None,
+                                       packing=cfg.ds.packing_samples, pad_id=self.batching.pad_id,
+                                       device=self.dist.device)
+        self.version = 0
+        self.pending: collections.deque[Group] = collections.deque()
+        self.stream: PromptStream | None = None
+
+    # -- configuration views -------------------------------------------------------------------
+
+    def policy_loss(self) -> PolicyLoss:
+        a, kl = self.cfg.actor, self.cfg.algo.kl
+        low, high = a.clip_low_high
+        return PolicyLoss(kind=a.policy_loss_type, clip_low=low, clip_high=high, dual_clip=a.dual_clip,
+                          entropy_coef=a.entropy_coef, aggregation=a.loss_agg_mode,
+                          kl_coef=self.kl.coef if kl.use_loss else 0.0, kl_estimator=kl.estimator,
+                          temperature=self.cfg.rollout.temperature)
+
+    def returns_config(self) -> ReturnsConfig:
+        c = self.cfg
+        adv, kl, r = c.algo.advantage, c.algo.kl, c.reward
+        return ReturnsConfig(
+            estimator=adv.estimator, group_size=c.rollout.n_samples_per_prompt, gamma=adv.gamma, lambd=adv.lambd,
+            std_norm=not adv.no_std_norm, kl_coef=self.kl.coef if self.p.reference is not None else 0.0,
+            kl_estimator=kl.estimator, kl_in_reward=not kl.use_loss, clip_range=r.clip_range,
+            max_new_tokens=c.rollout.max_new_tokens or c.max_len - c.data.prompt_max_len,
+            overlong_buffer_len=r.overlong_buffer_len, overlong_penalty_factor=r.overlong_penalty_factor,
+            stop_properly_coef=r.stop_properly_penalty_coef,
+            is_kind=adv.is_correction_type if adv.is_correction_enable else None, is_band=adv.is_correction_threshold)
+
+    @property
+    def total_steps(self) -> int:
+        return len(self.p.prompts) * self.cfg.train.num_episodes // self.cfg.rollout.batch_size
+
+    # -- rank 0: gathering a batch ---------------------------------------------------------------
+
+    def _next_group(self) -> Group | None:
+        """The next completed group: a pending one from the log, else a freshly generated one."""
+        if self.pending:
+            return self.pending.popleft()
+        gen, cfg = self.p.generator, self.cfg
+        if cfg.train.async_enable:
+            group = gen.next_group()
+        else:
+            assert self.stream is not None
+            items = self.stream.take(cfg.rollout.batch_size)
+            if not items:
+                return None
+            self._wake()
+            groups = gen.collect(items)
+            self._sleep()
+            group, rest = groups[0], groups[1:]
+            for g in rest:
+                self.p.trajlog.append_group(g.seq, g.trajectories)
+            self.pending.extend(rest)
+        if group is not None:
+            self.p.trajlog.append_group(group.seq, group.trajectories)
+        return group
+
+    def _keep(self, group: Group, dropped: list[str], counts: dict[str, int]) -> bool:
+        cfg = self.cfg
+        if group.failed:
+            counts["failed_groups"] += 1
+        elif cfg.algo.dynamic_filtering_enable and not bool(dynamic_filter(
+                torch.tensor([t.score if t.score is not None else (t.reward or 0.0) for t in group.trajectories]),
+                len(group.trajectories), *cfg.algo.dynamic_filtering_range)[0]):
+            counts["filtered_groups"] += 1
+        elif cfg.train.async_enable and max(self.version - t.min_policy_version for t in group.trajectories) \
+                > cfg.train.async_queue_size:
+            counts["stale_groups"] += 1
+        else:
+            return True
+        dropped.extend(t.uid for t in group.trajectories)
+        return False
+
+    def gather_batch(self) -> tuple[list[Trajectory], list[str], dict[str, int]]:
+        """Rank 0: (trajectories of ``batch_size`` kept groups, dropped uids, counts); fewer at the end."""
+        kept: list[Group] = []
+        dropped: list[str] = []
+        counts: dict[str, int] = collections.Counter()
+        while len(kept) < self.cfg.rollout.batch_size:
+            group = self._next_group()
+            if group is None:
+                break
+            if self._keep(group, dropped, counts):
+                kept.append(group)
+        if len(kept) < self.cfg.rollout.batch_size:  # the prompt stream ran out: not a full step
+            dropped.extend(t.uid for g in kept for t in g.trajectories)
+            kept = []
+        return [t for g in kept for t in g.trajectories], dropped, dict(counts)
+
+    def _wake(self) -> None:
+        if self.cfg.vllm.enable_sleep:
+            self.p.sync_client.wake()
+
+    def _sleep(self) -> None:
+        if self.cfg.vllm.enable_sleep:
+            self.p.sync_client.sleep(level=1)
+
+    # -- every rank: experience and updates ------------------------------------------------------
+
+    def experiences(self, trajs: Sequence[Trajectory]) -> tuple[list[Experience], dict[str, float]]:
+        """Scored, finalised experiences of ``trajs`` (same on every rank) and their metrics."""
+        exps = [from_trajectory(t) for t in trajs]
+        for e in exps:
+            e.reward = float(e.traj.reward or 0.0)
+            e.staleness = self.version - e.traj.min_policy_version
+        mine = [exps[i] for i in share_of(len(exps), self.dist.world, self.dist.rank)]
+        sums = score(mine, self.score_batching, actor=self.p.actor, reference=self.p.reference,
+                     critic=self.p.critic, temperature=self.cfg.rollout.temperature)
+        names = ["old_logp"] + (["ref_logp"] if self.p.reference is not None else []) \
+            + (["values"] if self.p.critic is not None else [])
+        all_gather_arrays(exps, names, self.dist.device)
+        if self.p.reward_model is not None:
+            self._score_with_reward_model(exps)
+        ent, tokens = all_reduce([sums.get("entropy", 0.0), sums.get("tokens", 0.0)], self.dist.device)
+        metrics = finalize(exps, self.returns_config())
+        staleness = np.array([e.staleness for e in exps])
+        metrics.update({"entropy": ent / max(tokens, 1.0), "staleness/mean": float(staleness.mean()),
+                        "staleness/max": float(staleness.max()), "kl_coef": self.kl.coef,
+                        "score/mean": float(np.mean([t.score if t.score is not None else (t.reward or 0.0) for t in trajs]))})
+        return exps, metrics
+
+    @torch.no_grad()
+    def _score_with_reward_model(self, exps: list[Experience]) -> None:
+        from treadle.trainer.rl.experience import collate  # noqa: PLC0415
+
+        rm = self.p.reward_model
+        for lo in range(0, len(exps), self.score_batching.micro_batch):
+            group = exps[lo:lo + self.score_batching.micro_batch]
+            ab = collate(group, packing=self.batching.packing, pad_id=self.batching.pad_id, device=self.dist.device)
+            scores = rm.scores(rm(**ab.batch.model_inputs()), ab.batch).float().cpu().tolist()
+            for e, s in zip(group, scores, strict=True):
+                e.reward = s
+
+    def train_on(self, exps: list[Experience], step: int) -> dict[str, float]:
+        """``max_epochs`` passes over ``exps`` in optimizer steps; critic then actor."""
+        cfg = self.cfg
+        metrics: dict[str, list[float]] = collections.defaultdict(list)
+        loss = self.policy_loss()
+        size = cfg.train.batch_size
+        actor_frozen = step <= cfg.critic.freezing_steps and self.p.critic is not None
+        for epoch in range(cfg.train.max_epochs):
+            order = np.random.default_rng([cfg.train.seed, step, epoch]).permutation(len(exps))
+            for k in range(len(exps) // size):
+                batch = order[k * size:(k + 1) * size]
+                mine = [exps[int(batch[i])] for i in share_of(size, self.dist.world, self.dist.rank)]
+                if self.p.critic is not None:
+                    for name, v in critic_step(self.p.critic, mine, self.batching, clip=cfg.critic.value_clip,
+                                               world=self.dist.world).items():
+                        metrics[name].append(v)
+                if not actor_frozen:
+                    for name, v in actor_step(self.p.actor, mine, self.batching, loss, self.dist.world).items():
+                        metrics[name].append(v)
+        return {name: float(np.mean(v)) for name, v in metrics.items()}
+
+    # -- checkpoints ---------------------------------------------------------------------------
+
+    def _more_engines(self) -> dict[str, Any]:
+        return {CRITIC_TAG: self.p.critic} if self.p.critic is not None else {}
+
+    def save(self, state: TrainState) -> Path:
+        write_hf = self.export if self.cfg.ckpt.save_hf else None
+        path = self.p.checkpointer.save(self.p.actor, state, write_hf=write_hf, more_engines=self._more_engines(),
+                                        extra={"version": self.version, "kl_coef": self.kl.coef})
+        if self.dist.is_main:
+            self.p.trajlog.compact(state.global_step)
+            log.info("checkpoint saved", extra={"fields": {"path": str(path), "step": state.global_step}})
+        return path
+
+    def resume(self) -> TrainState:
+        ckpt = self.p.checkpointer
+        latest = ckpt.latest() if self.cfg.ckpt.load_enable else None
+        if latest is None:
+            return TrainState()
+        state = ckpt.load(self.p.actor, latest, more_engines=self._more_engines())
+        extra = ckpt.read_extra(latest)
+        self.version = int(extra.get("version", state.global_step))
+        self.kl = KLController(coef=float(extra.get("kl_coef", self.kl.coef)), target=self.kl.target,
+                               horizon=self.kl.horizon)
+        if self.dist.is_main:
+            log.info("resumed", extra={"fields": {"path": str(latest), "step": state.global_step}})
+        return state
+
+    def export(self, out: Path) -> None:
+        """The actor in HF format (collective)."""
+        from treadle.trainer.checkpoint.export import full_state_dict, save_causal_lm  # noqa: PLC0415
+
+        state = full_state_dict(self.p.actor, zero_stage=self.cfg.ds.zero_stage, is_main=self.dist.is_main)
+        if self.dist.is_main:
+            module = self.p.actor.module
+            base = module.get_base_model() if hasattr(module, "get_base_model") else module
+            save_causal_lm(state, base.config, self.p.tokenizer, out)
+        if torch.distributed.is_initialized():
+            torch.distributed.barrier()
+
+    def sync_weights(self, version: int) -> dict[str, float]:
+        report = self.p.sender.sync(version)
+        self.version = version
+        if self.dist.is_main and self.cfg.train.async_enable:
+            self.p.generator.publish(version)
+        return {"sync/seconds": report.seconds, "sync/bytes": float(report.bytes)}
+
+    def _first_sync(self, state: TrainState) -> None:
+        """Bring the engines to the trainer's weights before the first rollout.
+
+        Engine versions only grow, and a daemon may outlive runs (``--vllm.endpoint``): a fresh
+        run on a daemon still at version 0 (serving the starting weights) needs nothing; any
+        other start (a resume, a used daemon) sends the weights as a version newer than both.
+        """
+        served = self.p.sync_client.health()["version"] if self.dist.is_main else 0
+        served = int(all_reduce([served], self.dist.device, op="max")[0])
+        if state.global_step == 0 and served == 0:
+            self.version = 0
+            return
+        self.sync_weights(max(self.version, served) + 1)
+
+    def _stop_flag(self, stop: bool) -> bool:
+        return bool(all_reduce([1.0 if stop else 0.0], self.dist.device, op="max")[0])
+
+    # -- the loop ------------------------------------------------------------------------------
+
+    def fit(self) -> TrainState:
+        from tqdm.auto import tqdm  # noqa: PLC0415
+
+        cfg, main = self.cfg, self.dist.is_main
+        state = self.resume()
+        if main:
+            recovered = self.p.trajlog.recover(state.global_step)
+            self.pending.extend(Group(seq=seq, trajectories=list(ts)) for seq, ts in recovered.pending)
+            self.stream = PromptStream(self.p.prompts, episodes=cfg.train.num_episodes, seed=cfg.train.seed,
+                                       done=recovered.done_seqs)
+        self._first_sync(state)
+        if main and cfg.train.async_enable:
+            self.p.generator.publish(self.version)
+            self.p.generator.start_async(self.stream, batch=cfg.rollout.batch_size, max_ahead=cfg.train.async_queue_size,
+                                         base_version=self.version)
+        total = self.total_steps
+        bar = tqdm(total=total, initial=state.global_step, disable=not main, desc="ppo", dynamic_ncols=True)
+        saved_at = state.global_step if state.global_step else None
+        while state.global_step < total:
+            t0 = time.perf_counter()
+            trajs, dropped, counts = self.gather_batch() if main else (None, [], {})
+            t_gen = time.perf_counter()
+            if self._stop_flag(main and not trajs):
+                break
+            trajs = broadcast_trajectories(trajs, state.global_step + 1, self.dist.device)
+            exps, metrics = self.experiences(trajs)
+            t_exp = time.perf_counter()
+            step = state.global_step + 1
+            metrics.update(self.train_on(exps, step))
+            self.kl = self.kl.updated(metrics.get("kl", 0.0), len(exps))
+            t_train = time.perf_counter()
+            if main:
+                self.p.trajlog.mark_step(step, used=[t.uid for t in trajs], dropped=dropped)
+            metrics.update(self.sync_weights(self.version + 1))
+            state = TrainState(global_step=step, epoch=state.epoch, best_metric=state.best_metric,
+                               best_step=state.best_step)
+            t_sync = time.perf_counter()
+            metrics.update({f"batch/{k}": float(v) for k, v in counts.items()})
+            metrics.update({"time/generate": t_gen - t0, "time/experience": t_exp - t_gen, "time/train": t_train - t_exp,
+                            "time/sync": t_sync - t_train, "samples": float(len(exps)), "version": float(self.version)})
+            improved = False
+            if self.p.eval_prompts and cfg.eval.steps > 0 and step % cfg.eval.steps == 0 or \
+                    self.p.eval_prompts and step == total:
+                improved = self._evaluate(metrics, state)
+                if improved:
+                    state = TrainState(global_step=step, epoch=state.epoch, best_metric=metrics[self._best_key()],
+                                       best_step=step)
+            metrics["time/step"] = time.perf_counter() - t0
+            if main:
+                self.p.metrics.log(step, metrics)
+                bar.update(1)
+                bar.set_postfix(reward=f"{metrics.get('reward/mean', float('nan')):.3f}")
+            if improved or (cfg.ckpt.save_steps > 0 and step % cfg.ckpt.save_steps == 0):
+                self.save(state)
+                saved_at = step
+        bar.close()
+        if main and cfg.train.async_enable:
+            self.p.generator.stop()
+        if saved_at != state.global_step:
+            self.save(state)
+        self.export(Path(cfg.ckpt.output_dir))
+        return state
+
+    def _best_key(self) -> str:
+        key = self.cfg.ckpt.best_metric_key
+        return key if key not in ("", "none") else "eval/pass@1"
+
+    def _evaluate(self, metrics: dict[str, float], state: TrainState) -> bool:
+        """Rank 0 samples the eval set; returns (on every rank) whether the best metric improved."""
+        improved = 0.0
+        if self.dist.is_main:
+            start = time.perf_counter()
+            self._wake()
+            metrics.update(self.p.generator.evaluate(self.p.eval_prompts, n=self.cfg.eval.n_samples_per_prompt))
+            self._sleep()
+            metrics["time/eval"] = time.perf_counter() - start
+            value = metrics.get(self._best_key())
+            if self.cfg.ckpt.best_metric_key != "none" and value is not None and \
+                    (state.best_metric is None or value > state.best_metric):
+                improved = 1.0
+        flag = all_reduce([improved], self.dist.device, op="max")[0] > 0
+        if flag and not self.dist.is_main:
+            metrics[self._best_key()] = float("nan")  # only rank 0's value is real; state holds rank 0's
+        return flag
+
+    def close(self) -> None:
+        if self.p.metrics is not None:
+            self.p.metrics.close()
+            path = self.p.metrics.path
+            if path.is_file() and path.stat().st_size:
+                plot_curves(path, path.with_name("curves.png"), title="PPO")
+
+
+def run(cfg: PPOConfig) -> TrainState:
+    parts = build_parts(cfg)
+    trainer = PPOTrainer(parts)
+    try:
+        return trainer.fit()
+    finally:
+        try:
+            trainer.close()
+        finally:
+            close_parts(parts)

@@ -1,0 +1,258 @@
+"""Set-up of a PPO-family run: models, rollout daemon and clients, executors, weight sender, log.
+
+``build_parts(cfg)`` returns everything ``trainers.ppo`` drives, built on every rank; what only
+rank 0 uses (the daemon, the clients, the executors, the trajectory log, the metrics file) is
+None on the others. Each helper builds one thing from the typed config.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from treadle.common.config import ConfigError
+from treadle.common.log import get_logger
+from treadle.common.metrics import MetricsLogger
+from treadle.common.records import SamplingParams
+from treadle.trainer.checkpoint.checkpointer import Checkpointer
+from treadle.trainer.config.commands import PPOConfig
+from treadle.trainer.config.data import check_mixture, split_list
+from treadle.trainer.data.sources import DataError, Row, load_mixture
+from treadle.trainer.models.loading import load_causal_lm, load_tokenizer
+from treadle.trainer.models.reference import Reference
+from treadle.trainer.rl.daemon import DTYPES, DaemonSpec, OwnedDaemon
+from treadle.trainer.rl.generation import Generator, Prompt
+from treadle.trainer.strategy.deepspeed import DistInfo, build_engine
+from treadle.trainer.trainers import build
+
+log = get_logger(__name__)
+
+
+@dataclass(slots=True, kw_only=True)
+class PPOParts:
+    """Everything a PPO run holds (rank-0-only parts are None elsewhere)."""
+
+    cfg: PPOConfig
+    dist: DistInfo
+    tokenizer: Any
+    prompts: list[Prompt]
+    eval_prompts: list[Prompt]
+    actor: Any  # DeepSpeed engine
+    critic: Any | None  # DeepSpeed engine (gae only)
+    reference: Reference | None
+    reward_model: Any | None  # frozen RewardModel on the device
+    checkpointer: Checkpointer
+    opt_steps_per_rl_step: int
+    daemon: OwnedDaemon | None = None
+    sync_client: Any | None = None  # SyncRolloutClient (weights, sleep/wake)
+    generator: Generator | None = None
+    sender: Any | None = None  # WeightSender (every rank)
+    trajlog: Any | None = None  # TrajectoryLog
+    metrics: MetricsLogger | None = None
+    closers: list[Any] | None = None
+
+
+def prompt_of(row: Row, cfg: PPOConfig) -> Prompt:
+    """A dataset row as an episode prompt: chat messages, or text through ``--data.input_template``."""
+    data = cfg.data
+    value = row.get(data.input_key, (str, list))
+    if data.apply_chat_template:
+        prompt: Any = [{"role": "user", "content": value}] if isinstance(value, str) else list(value)
+    else:
+        if not isinstance(value, str):
+            raise row.error(data.input_key, "a list of messages needs --data.apply_chat_template")
+        prompt = data.input_template.format(value) if data.input_template else value
+    label = row.data.get(data.label_key) if data.label_key else None
+    if data.label_key and label is None:
+        raise row.error(data.label_key, "missing or null label (--data.label_key)")
+    return Prompt(prompt=prompt, label=label)
+
+
+def load_prompts(cfg: PPOConfig) -> tuple[list[Prompt], list[Prompt]]:
+    data = cfg.data
+    probs = check_mixture("--data.prompt_dataset", data.prompt_dataset, "--data.prompt_probs", data.prompt_probs)
+    rows = load_mixture(split_list(data.prompt_dataset), probs, data.prompt_split, data.max_samples, cfg.train.seed)
+    prompts = [prompt_of(r, cfg) for r in rows]
+    evaluation: list[Prompt] = []
+    if cfg.eval.dataset:
+        names = split_list(cfg.eval.dataset)
+        eval_rows = load_mixture(names, [1.0 / len(names)] * len(names), cfg.eval.split, 1 << 62, cfg.train.seed)
+        evaluation = [prompt_of(r, cfg) for r in eval_rows]
+    groups = cfg.rollout.batch_size
+    if len(prompts) * cfg.train.num_episodes < groups:
+        raise DataError(f"--data.prompt_dataset has {len(prompts)} prompts x {cfg.train.num_episodes} episodes, "
+                        f"fewer than one rollout batch (--rollout.batch_size {groups})")
+    return prompts, evaluation
+
+
+def opt_steps_per_rl_step(cfg: PPOConfig) -> int:
+    samples = cfg.rollout.batch_size * cfg.rollout.n_samples_per_prompt
+    if samples % cfg.train.batch_size:
+        raise ConfigError(f"--rollout.batch_size x --rollout.n_samples_per_prompt = {samples} samples per rollout "
+                          f"must be a multiple of --train.batch_size {cfg.train.batch_size}")
+    return samples // cfg.train.batch_size
+
+
+def engines(cfg: PPOConfig, dist: DistInfo, total_opt_steps: int) -> tuple[Any, Any | None]:
+    """(actor engine, critic engine or None)."""
+    from treadle.trainer.models.critic import Critic  # noqa: PLC0415
+    from treadle.trainer.strategy.deepspeed import grad_accum_steps  # noqa: PLC0415
+
+    train = cfg.train
+    gas = grad_accum_steps(train.batch_size, train.micro_batch_size, dist.world)
+    kw = {"micro_batch": train.micro_batch_size, "grad_accum": gas, "world": dist.world, "total_steps": total_opt_steps}
+    actor = load_causal_lm(cfg.actor.model_name_or_path, cfg.ds, trainable=True,
+                           gradient_checkpointing=cfg.actor.gradient_checkpointing_enable,
+                           reentrant=cfg.actor.gradient_checkpointing_reentrant)
+    actor_engine = build_engine(actor, cfg.ds, cfg.actor, **kw)
+    critic_engine = None
+    if cfg.critic_model_name_or_path is not None:
+        critic = Critic.from_pretrained(cfg.critic_model_name_or_path, cfg.ds,
+                                        gradient_checkpointing=cfg.actor.gradient_checkpointing_enable)
+        critic_engine = build_engine(critic, cfg.ds, cfg.critic, **kw)
+    return actor_engine, critic_engine
+
+
+def frozen_models(cfg: PPOConfig, dist: DistInfo) -> tuple[Reference | None, Any | None]:
+    """(reference or None, reward model or None), frozen, on this rank's device."""
+    from treadle.trainer.models.reward_model import RewardModel  # noqa: PLC0415
+
+    reference = None
+    if cfg.uses_reference or cfg.algo.kl.use_loss:
+        path = cfg.ref.model_name_or_path or cfg.actor.model_name_or_path
+        reference = Reference(load_causal_lm(path, cfg.ds, trainable=False), dist.device, offload=cfg.ref.offload)
+    reward_model = None
+    if cfg.reward.model_paths:
+        if len(cfg.reward.model_paths) > 1:
+            raise ConfigError(f"--reward.model_name_or_path lists {len(cfg.reward.model_paths)} models; "
+                              "this trainer scores with one reward model")
+        reward_model = RewardModel.from_pretrained(cfg.reward.model_paths[0], cfg.ds).eval().requires_grad_(False)
+        reward_model.to(dist.device)
+    return reference, reward_model
+
+
+def daemon_spec(cfg: PPOConfig) -> DaemonSpec:
+    v = cfg.vllm
+    return DaemonSpec(model=cfg.actor.model_name_or_path, engines=v.num_engines, backend=v.backend,
+                      tensor_parallel_size=v.tensor_parallel_size, dtype=DTYPES[cfg.ds.param_dtype],
+                      max_model_len=cfg.max_len, gpu_memory_utilization=v.gpu_memory_utilization,
+                      enable_prefix_caching=v.enable_prefix_caching, enforce_eager=v.enforce_eager,
+                      enable_sleep=v.enable_sleep, seed=cfg.train.seed)
+
+
+def sampling_of(cfg: PPOConfig, *, temperature: float) -> SamplingParams:
+    return SamplingParams(n=1, temperature=temperature, top_p=cfg.rollout.top_p,
+                          max_tokens=cfg.rollout.max_new_tokens or cfg.max_len - cfg.data.prompt_max_len,
+                          logprobs=True)
+
+
+def executor(cfg: PPOConfig, *, sampler: Any, chat: Any, sampling: SamplingParams) -> Any:
+    """The agent executor of ``--train.agent_func_path`` (multi-turn), else single-turn with a reward source."""
+    from treadle.agents.executor import ExecutorConfig, SingleTurnExecutor  # noqa: PLC0415
+
+    config = ExecutorConfig(max_length=cfg.max_len, episode_timeout_s=600.0)
+    if cfg.train.agent_func_path:
+        from treadle.agents.openrlhf.loader import AgentFileExecutor  # noqa: PLC0415
+
+        return AgentFileExecutor(cfg.train.agent_func_path, sampler=sampler, chat=chat, sampling=sampling, config=config)
+    reward = None
+    if cfg.reward.remote_urls:
+        from treadle.agents.rewards import reward_source  # noqa: PLC0415
+
+        if len(cfg.reward.remote_urls) > 1:
+            raise ConfigError(f"--reward.remote_url lists {len(cfg.reward.remote_urls)} sources; give one "
+                              "(combine several rewards in one function file or reward server)")
+        reward = reward_source(cfg.reward.remote_urls[0])
+    return SingleTurnExecutor(reward=reward, sampler=sampler, chat=chat, sampling=sampling, config=config)
+
+
+def rollout_side(parts: PPOParts) -> None:
+    """Rank 0: the daemon (started here unless --vllm.endpoint), clients, executors."""
+    from treadle.agents.chat import ChatFormat  # noqa: PLC0415
+    from treadle.agents.sampler import RolloutSampler  # noqa: PLC0415
+    from treadle.common.rpc import LoopThread  # noqa: PLC0415
+    from treadle.rollout.client import RolloutClient, SyncRolloutClient  # noqa: PLC0415
+    from treadle.trainer.rl.generation import SeededSampler  # noqa: PLC0415
+
+    cfg = parts.cfg
+    endpoint = cfg.vllm.endpoint
+    if endpoint is None:
+        parts.daemon = OwnedDaemon(daemon_spec(cfg))
+        parts.closers.append(parts.daemon.stop)
+        endpoint = parts.daemon.endpoint
+    parts.sync_client = SyncRolloutClient(endpoint)
+    parts.closers.append(parts.sync_client.close)
+    if parts.daemon is not None:
+        seconds = parts.daemon.wait_ready(parts.sync_client)
+        log.info("rollout daemon ready", extra={"fields": {"endpoint": endpoint, "seconds": round(seconds, 1)}})
+    else:
+        parts.sync_client.wait_ready(timeout=600.0)
+    lt = LoopThread(name="ppo-rollout")
+    parts.closers.append(lt.stop)
+
+    async def make_client() -> RolloutClient:
+        return RolloutClient(endpoint)
+
+    client = lt.run(make_client())
+    parts.closers.append(lambda: lt.run(client.close()) if lt.alive else None)
+    chat = ChatFormat(parts.tokenizer, cfg.data.tokenizer_chat_template)
+    sampler = SeededSampler(RolloutSampler(client), cfg.train.seed)
+    train_ex = executor(cfg, sampler=sampler, chat=chat, sampling=sampling_of(cfg, temperature=cfg.rollout.temperature))
+    eval_ex = executor(cfg, sampler=sampler, chat=chat, sampling=sampling_of(cfg, temperature=cfg.eval.temperature))
+    parts.generator = Generator(executor=train_ex, eval_executor=eval_ex, n=cfg.rollout.n_samples_per_prompt, lt=lt)
+
+
+def sender(parts: PPOParts) -> Any:
+    from treadle.trainer.weights.sender import SenderConfig, WeightSender  # noqa: PLC0415
+
+    cfg = parts.cfg
+    backend = cfg.vllm.sync_backend if torch.cuda.is_available() else "gloo"
+    conf = SenderConfig(transport="collective", backend=backend, bucket_bytes=cfg.vllm.bucket_mb << 20,
+                        dtype=DTYPES[cfg.ds.param_dtype])
+    return WeightSender(parts.actor, config=conf, client=parts.sync_client, zero_stage=cfg.ds.zero_stage,
+                        is_main=parts.dist.is_main)
+
+
+def build_parts(cfg: PPOConfig) -> PPOParts:
+    """Everything, in the order that fails fastest on bad input (data before models before daemons)."""
+    if cfg.train.colocate_all and cfg.train.async_enable:
+        raise ConfigError("--train.colocate_all with --train.async_enable: colocated engines cannot generate "
+                          "while the trainer trains; pick one")
+    dist = build.start(cfg)
+    tok = load_tokenizer(cfg.actor.model_name_or_path, use_fast=not cfg.data.disable_fast_tokenizer,
+                         chat_template=cfg.data.tokenizer_chat_template)
+    prompts, eval_prompts = load_prompts(cfg)
+    per_step = opt_steps_per_rl_step(cfg)
+    rl_steps = len(prompts) * cfg.train.num_episodes // cfg.rollout.batch_size
+    actor, critic = engines(cfg, dist, max(1, rl_steps * per_step * cfg.train.max_epochs))
+    reference, reward_model = frozen_models(cfg, dist)
+    parts = PPOParts(cfg=cfg, dist=dist, tokenizer=tok, prompts=prompts, eval_prompts=eval_prompts, actor=actor,
+                     critic=critic, reference=reference, reward_model=reward_model,
+                     checkpointer=build.checkpointer(cfg, dist), opt_steps_per_rl_step=per_step, closers=[])
+    try:
+        if dist.is_main:
+            from treadle.trainer.rl.trajlog import TrajectoryLog  # noqa: PLC0415
+
+            parts.trajlog = TrajectoryLog(Path(cfg.ckpt.path) / "trajectories")
+            parts.closers.append(parts.trajlog.close)
+            parts.metrics = build.metrics_logger(cfg, dist, "ppo")
+            rollout_side(parts)
+        parts.sender = sender(parts)
+        parts.closers.append(parts.sender.close)
+    except BaseException:
+        close_parts(parts)
+        raise
+    return parts
+
+
+def close_parts(parts: PPOParts) -> None:
+    """Release in reverse order of creation; keeps going past failures."""
+    for fn in reversed(parts.closers or []):
+        try:
+            fn()
+        except Exception as e:  # a failing close must not hide the run's own error
+            log.warning("closing %s failed: %s", getattr(fn, "__qualname__", fn), e)
+    parts.closers = []

@@ -1,0 +1,232 @@
+"""What the trainer sends as weights, under which names, and gathering it one bucket at a time.
+
+``plan(module, dtype)`` lists the tensors a rollout engine loads (``Item``s), in the order of
+the module's parameters, named as ``save_pretrained`` writes them (what the engines'
+``WeightSpec`` expects): DeepSpeed's / DDP's ``module.``, peft's ``base_model.model.`` and
+``.base_layer`` are stripped; a tied ``lm_head`` is not listed (``named_parameters`` yields a
+shared tensor once, and the engines take the embedding for it); persistent buffers are listed,
+non-persistent ones (rotary tables) are not. A LoRA layer's weight is listed once, as the merged
+``W + scaling * B @ A`` (peft's own ``get_delta_weight``), computed into a new tensor: the
+trained module is never modified. Adapter tensors themselves are not listed.
+
+``gathered(items, sizes, zero3=...)`` walks the buckets. Under ZeRO-3 each bucket's parameters
+are all-gathered (``deepspeed.zero.GatheredParameters``, a collective: every rank must walk the
+same buckets in the same order) while the caller works on that bucket, and released before the
+next one, so the full model is never materialised. ``pack`` copies a gathered bucket into a flat
+buffer in the layout of ``treadle.rollout.engine.weights.bucket_layout``, converting each tensor
+to its sent dtype on the way.
+
+``prompt_logprobs`` scores the canary prompt with the module itself (under ZeRO-3 a forward is
+a collective too: every rank must call it).
+
+Not here: the group, threads, the daemon's protocol (``sender``).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from treadle.common.config import ConfigError
+from treadle.rollout.engine.weights import bucket_layout, bucket_ranges, unpack_bucket
+
+_WRAPPERS = ("module.", "base_model.model.")  # DeepSpeed / DDP, peft's PeftModel + LoraModel
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Item:
+    """One tensor of a weight update and where its value comes from."""
+
+    name: str  # HF checkpoint name
+    shape: tuple[int, ...]  # full shape (a ZeRO-3 parameter's ``ds_shape``)
+    dtype: torch.dtype  # dtype it is sent in (the engine's)
+    sources: tuple[torch.Tensor, ...]  # parameters / buffers it is computed from (gathered under ZeRO-3)
+    merge: Callable[[], torch.Tensor] | None = None  # LoRA: the merged weight; None: sources[0]
+
+    @property
+    def dtype_name(self) -> str:
+        return str(self.dtype).removeprefix("torch.")
+
+    @property
+    def nbytes(self) -> int:
+        """prod(shape) * itemsize(dtype)."""
+        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+
+    def value(self) -> torch.Tensor:
+        """The tensor as trained (sources gathered), in its own dtype; never a view to write into."""
+        return self.merge() if self.merge is not None else self.sources[0].detach()
+
+
+def hf_name(name: str) -> str | None:
+    """The HF checkpoint name of a (wrapped) model's parameter or buffer; None: not in a checkpoint.
+
+    ``module.base_model.model.model.layers.0.q_proj.base_layer.weight`` -> ``model.layers.0.q_proj.weight``;
+    adapter tensors (``lora_A`` ...) and peft's frozen ``original_module`` copies -> None;
+    ``x.modules_to_save.<adapter>.weight`` (peft's trained copy) -> ``x.weight``.
+    """
+    stripped = True
+    while stripped:
+        stripped = False
+        for prefix in _WRAPPERS:
+            if name.startswith(prefix):
+                name, stripped = name[len(prefix):], True
+    parts = name.split(".")
+    if "original_module" in parts or any(p.startswith("lora_") for p in parts):
+        return None
+    if "modules_to_save" in parts:
+        i = parts.index("modules_to_save")
+        del parts[i:i + 2]
+    return ".".join(p for p in parts if p != "base_layer")
+
+
+def plan(module: torch.nn.Module, dtype: torch.dtype | None = None) -> list[Item]:
+    """Every tensor to send, in parameter order then persistent buffers; floating tensors take
+    ``dtype`` (None: their own)."""
+    merges = _lora_merges(module)
+    items = []
+    for name, p in module.named_parameters():
+        hf = hf_name(name)
+        if hf is not None:
+            extra, merge = merges.get(id(p), ((), None))
+            items.append(_item(hf, p, dtype, extra, merge))
+    for name, b in _persistent_buffers(module):
+        hf = hf_name(name)
+        if hf is not None:
+            items.append(_item(hf, b, dtype))
+    names = [it.name for it in items]
+    if len(set(names)) != len(names):
+        twice = sorted({n for n in names if names.count(n) > 1})
+        raise ValueError(f"weight sender: several tensors of the model map to the names {twice[:5]}")
+    return items
+
+
+def has_lora(module: torch.nn.Module) -> bool:
+    return bool(_lora_layers(module))
+
+
+def _item(name: str, t: torch.Tensor, dtype: torch.dtype | None, extra: tuple[torch.Tensor, ...] = (),
+          merge: Callable[[], torch.Tensor] | None = None) -> Item:
+    target = dtype if dtype is not None and t.is_floating_point() else t.dtype
+    return Item(name=name, shape=tuple(getattr(t, "ds_shape", t.shape)), dtype=target, sources=(t, *extra),
+                merge=merge)
+
+
+def _persistent_buffers(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    seen: set[int] = set()
+    for mod_name, mod in module.named_modules():
+        for name, b in mod._buffers.items():
+            if b is None or name in mod._non_persistent_buffers_set or id(b) in seen:
+                continue
+            seen.add(id(b))
+            yield (f"{mod_name}.{name}" if mod_name else name), b
+
+
+def _lora_layers(module: torch.nn.Module) -> list[Any]:
+    try:
+        from peft.tuners.lora import LoraLayer  # noqa: PLC0415
+    except ImportError:  # no peft installed: no adapters either
+        return []
+    return [m for m in module.modules() if isinstance(m, LoraLayer)]
+
+
+def _lora_merges(module: torch.nn.Module) -> dict[int, tuple[tuple[torch.Tensor, ...], Callable[[], torch.Tensor]]]:
+    """id(base weight) -> (adapter parameters to gather with it, the merged weight's function)."""
+    out = {}
+    for layer in _lora_layers(module):
+        active = [] if layer.merged or layer.disable_adapters else list(layer.active_adapters)
+        adapters = tuple(a for a in active if a in layer.lora_A or a in layer.lora_embedding_A)
+        if any(getattr(layer, "lora_variant", {}).get(a) is not None for a in adapters):
+            raise ConfigError("the weight sender merges plain LoRA adapters only; this model has a LoRA "
+                              "variant (DoRA, ...) whose merged weight is not W + scaling * B @ A")
+        extra = tuple(p for n, p in layer.named_parameters() if n.split(".")[0] in layer.adapter_layer_names)
+        base = layer.get_base_layer()
+        out[id(base.weight)] = (extra, functools.partial(_merged, layer, base, adapters))
+    return out
+
+
+def _merged(layer: Any, base: torch.nn.Module, adapters: tuple[str, ...]) -> torch.Tensor:
+    """W + sum_a delta_a, in float32 (a new tensor: adding in place would change the trained W)."""
+    w = base.weight.detach()
+    if not adapters:
+        return w
+    with torch.no_grad():
+        out = w.to(torch.float32, copy=True)
+        for a in adapters:
+            out += layer.get_delta_weight(a).float()
+    return out
+
+
+# ------------------------------------------------------------------ buckets
+
+
+def _partitioned(items: Sequence[Item]) -> list[torch.Tensor]:
+    """The ZeRO-3 parameters among ``items``' sources, each once, in order."""
+    seen: dict[int, torch.Tensor] = {}
+    for it in items:
+        for t in it.sources:
+            if hasattr(t, "ds_id"):
+                seen.setdefault(id(t), t)
+    return list(seen.values())
+
+
+def gathered(items: Sequence[Item], sizes: Sequence[int], *, zero3: bool) -> Iterator[tuple[int, int]]:
+    """Yield each bucket's ``(lo, hi)`` item range; under ZeRO-3 its parameters stay gathered
+    until the loop asks for the next bucket. Collective under ZeRO-3: every rank loops alike."""
+    for lo, hi in bucket_ranges(sizes, len(items)):
+        params = _partitioned(items[lo:hi]) if zero3 else []
+        if not params:
+            yield lo, hi
+            continue
+        import deepspeed  # noqa: PLC0415
+
+        with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+            yield lo, hi
+
+
+def bucket_bytes(items: Sequence[Item]) -> int:
+    """Size of the flat buffer holding ``items`` (``bucket_layout``'s total)."""
+    return bucket_layout([it.dtype_name for it in items], [it.shape for it in items])[1]
+
+
+def pack(items: Sequence[Item], buffer: torch.Tensor) -> torch.Tensor:
+    """Copy gathered ``items`` into the front of ``buffer`` (uint8) at ``bucket_layout`` offsets,
+    converted to their sent dtypes; returns the bucket (a view of ``buffer``)."""
+    dtypes, shapes = [it.dtype_name for it in items], [it.shape for it in items]
+    flat, views = unpack_bucket(dtypes, shapes, flat=buffer[:bucket_bytes(items)])
+    with torch.no_grad():
+        for it, view in zip(items, views, strict=True):
+            view.copy_(it.value())
+    return flat
+
+
+def host_copy(item: Item) -> torch.Tensor:
+    """A gathered item as a new CPU tensor in its sent dtype (the inline transport)."""
+    out = torch.empty(item.shape, dtype=item.dtype)
+    with torch.no_grad():
+        out.copy_(item.value())
+    return out
+
+
+# ------------------------------------------------------------------ canary
+
+
+def prompt_logprobs(module: torch.nn.Module, token_ids: Sequence[int]) -> np.ndarray:
+    """float32 [C-1]: ``log p(token_t | tokens_<t)`` of the module in eval mode (dropout off),
+    its train/eval flags restored afterwards. Collective under ZeRO-3."""
+    device = next(module.parameters()).device
+    ids = torch.as_tensor(list(token_ids), dtype=torch.long, device=device)[None]
+    modes = [(m, m.training) for m in module.modules()]
+    try:
+        module.eval()
+        with torch.no_grad():
+            logits = module(input_ids=ids, use_cache=False).logits[0, :-1].double()
+    finally:
+        for m, training in modes:
+            m.training = training
+    lp = torch.log_softmax(logits, -1).gather(1, ids[0, 1:, None]).squeeze(1)
+    return lp.float().cpu().numpy()

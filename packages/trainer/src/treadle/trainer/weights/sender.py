@@ -1,0 +1,342 @@
+"""The trainer's weight sender: every rank gathers, rank 0 sends, the rollout daemon acknowledges.
+
+    sender = WeightSender(engine, config=SenderConfig(dtype="bfloat16"),
+                          client=rollout_client if is_main else None, zero_stage=3, is_main=is_main)
+    report = sender.sync(version)   # on every rank, after the optimizer step
+    sender.close()
+
+``sync`` is a collective over the trainer's ranks. With the collective transport, per version:
+
+1. every rank lists the tensors (``gather.plan``) and, if a canary prompt is configured, scores
+   it (a forward pass: collective under ZeRO-3);
+2. rank 0 announces the update and waits until the daemon has accepted it, joining the weight
+   group first when it has none, and rejoining once when the daemon answers
+   ``WeightGroupStale`` (its membership changed) or has no group (it restarted). A refusal
+   ends the sync on every rank before anything is gathered (a one-element all-reduce tells
+   the other ranks);
+3. every rank walks the buckets (ZeRO-3 gathers one bucket's partitions at a time); rank 0
+   packs each bucket into one of two buffers while a background thread broadcasts the other,
+   so gathering bucket k+1 overlaps sending bucket k;
+4. rank 0 waits for the daemon's answer; a second all-reduce shares the outcome; every rank
+   returns a ``SyncReport`` or raises: rank 0 the daemon's typed error (``EnginesQuarantined``,
+   ``BadRequest`` for a name or shape mismatch, ...), the other ranks an error of the same class
+   pointing to rank 0's log, so that all ranks take the same branch.
+
+The inline transport gathers alike but rank 0 keeps host copies and sends them inside the
+``WeightUpdate`` (tests and tiny models: the message must fit the daemon's frame limit).
+
+One sender per daemon: joining a group replaces the daemon's previous group.
+
+Not here: what is sent and under which names (``gather``), rank 0's threads and the outcome
+all-reduce (``transfer``), the group and the bucket layout
+(``treadle.rollout.engine.group`` / ``weights``), loading weights (the engines).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import time
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+import torch
+
+from treadle.common.config import ConfigError
+from treadle.common.errors import BadRequest
+from treadle.common.log import get_logger
+from treadle.common.records import WeightUpdate
+from treadle.rollout.client import WeightGroupStale
+from treadle.rollout.engine.group import GroupSpec, WeightGroup
+from treadle.rollout.engine.weights import bucket_ranges, plan_buckets
+from treadle.trainer.weights.gather import (
+    Item,
+    bucket_bytes,
+    gathered,
+    host_copy,
+    pack,
+    plan,
+    prompt_logprobs,
+)
+from treadle.trainer.weights.transfer import (
+    Transfer,
+    WeightSyncFailed,
+    raise_outcome,
+    share_outcome,
+)
+
+log = get_logger(__name__)
+
+__all__ = ["SenderConfig", "SyncReport", "WeightSender", "WeightSyncFailed"]
+
+ENGINE_DTYPES = ("float32", "bfloat16", "float16", "float64")
+EXACT_CANARY_TOL = 1e-3  # same dtype on both sides: logprobs agree to ~1e-5 (PLATFORM.md)
+NARROWED_CANARY_TOL = 0.1  # an fp32 trainer vs a bf16 engine differ by ~5e-2 (PLATFORM.md)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SenderConfig:
+    """How the trainer sends its weights to the rollout engines."""
+
+    transport: Literal["collective", "inline"] = "collective"  # a gloo/nccl group, or tensors in the message
+    backend: Literal["gloo", "nccl"] = "gloo"  # the group's backend (collective)
+    bucket_bytes: int = 256 << 20  # bytes per broadcast; 0: one tensor per broadcast (the baseline)
+    dtype: str | None = None  # the engines' dtype ("bfloat16", ...); None: the trainer's parameter dtype
+    lora: Literal["merged", "adapter"] = "merged"  # LoRA models: send W + scaling * B @ A under the base names
+    host: str = "127.0.0.1"  # where rank 0 hosts the group's TCPStore (reachable from the engines)
+    port: int = 0  # the TCPStore's port; 0: a free one, picked at each join
+    timeout_s: float = 300.0  # joining, and each broadcast
+    canary_token_ids: tuple[int, ...] = ()  # prompt whose logprobs the engines must reproduce; (): none
+    canary_tolerance: float | None = None  # None: 1e-3, or 0.1 when ``dtype`` narrows the trainer's
+
+    def __post_init__(self) -> None:
+        if self.transport not in ("collective", "inline"):
+            raise ConfigError(f"--transport must be collective or inline, got {self.transport!r}")
+        if self.backend not in ("gloo", "nccl"):
+            raise ConfigError(f"--backend must be gloo or nccl, got {self.backend!r}")
+        if self.bucket_bytes < 0:
+            raise ConfigError(f"--bucket_bytes must be >= 0 (0: one tensor per broadcast), got {self.bucket_bytes}")
+        if self.dtype is not None and self.dtype not in ENGINE_DTYPES:
+            raise ConfigError(f"--dtype must be one of {', '.join(ENGINE_DTYPES)} (or unset), got {self.dtype!r}")
+        if self.lora == "adapter":
+            raise ConfigError("--lora adapter: the rollout engines load full weights only (no LoRA adapters "
+                              "yet); use --lora merged, which sends W + scaling * B @ A under the base names")
+        if self.lora != "merged":
+            raise ConfigError(f"--lora must be merged or adapter, got {self.lora!r}")
+        if not 0 <= self.port < 65536:
+            raise ConfigError(f"--port must be a TCP port or 0 (pick a free one), got {self.port}")
+        if not self.timeout_s > 0:
+            raise ConfigError(f"--timeout_s must be > 0, got {self.timeout_s}")
+        if self.canary_token_ids and (len(self.canary_token_ids) < 2 or min(self.canary_token_ids) < 0):
+            raise ConfigError(f"--canary_token_ids needs >= 2 token ids >= 0, got {list(self.canary_token_ids)}")
+        if self.canary_tolerance is not None and not self.canary_tolerance > 0:
+            raise ConfigError(f"--canary_tolerance must be > 0, got {self.canary_tolerance}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SyncReport:
+    """What one ``sync`` did (timings are this rank's)."""
+
+    version: int  # the weight version the engines now serve
+    tensors: int  # tensors sent
+    bytes: int  # bytes of those tensors, in the sent dtypes
+    buckets: int  # broadcasts (collective) or 1 (inline)
+    seconds: float  # the whole sync, canary included
+    gather_seconds: float  # gathering and packing (waits for a free buffer excluded)
+    send_seconds: float  # broadcasting (collective) or the inline request; 0 on ranks > 0
+    updated: list[str]  # engine ids that loaded the version (rank 0; empty elsewhere)
+    failed: list[str]  # engine ids that did not (rank 0; empty elsewhere)
+
+
+class WeightSender:
+    """Sends one trained model's weights to a rollout daemon, one version per ``sync``."""
+
+    def __init__(self, model_or_engine: Any, *, config: SenderConfig, client: Any, zero_stage: int,
+                 is_main: bool) -> None:
+        """``model_or_engine``: a DeepSpeed engine or a plain (maybe peft-wrapped) module;
+        ``client``: a ``SyncRolloutClient`` on rank 0 (None elsewhere)."""
+        self.config = config
+        self._module = model_or_engine.module if hasattr(model_or_engine, "zero_optimization_stage") else model_or_engine
+        self._zero3, self._is_main, self._client = zero_stage == 3, is_main, client
+        if is_main and client is None:
+            raise ValueError("WeightSender on rank 0 needs the rollout client (client=None)")
+        first = next(self._module.parameters(), None)
+        if first is not None and hasattr(first, "ds_id") and not self._zero3:
+            raise ValueError(f"the model's parameters are ZeRO-3 partitions but zero_stage={zero_stage}")
+        self._dtype = getattr(torch, config.dtype) if config.dtype else None
+        nccl = config.backend == "nccl"
+        self._device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+        self._group: WeightGroup | None = None
+        self._buffers: list[torch.Tensor] = []
+        self._closed = False
+
+    # ------------------------------------------------------------------ public
+
+    def sync(self, version: int) -> SyncReport:
+        """Make the engines serve the model's current weights as ``version``; every rank calls it."""
+        if self._closed:
+            raise RuntimeError("WeightSender.sync after close()")
+        start = time.perf_counter()
+        items = plan(self._module, self._dtype)
+        canary = self._canary()
+        run = self._sync_inline if self.config.transport == "inline" else self._sync_collective
+        answer, buckets, gather_s, send_s = run(version, items, canary)
+        answer = answer or {}
+        report = SyncReport(version=version, tensors=len(items), bytes=sum(it.nbytes for it in items),
+                            buckets=buckets, seconds=time.perf_counter() - start, gather_seconds=gather_s,
+                            send_seconds=send_s, updated=list(answer.get("updated", [])),
+                            failed=sorted(answer.get("failed", {})))
+        if self._is_main:
+            log.info("weights sent", extra={"fields": {
+                "version": version, "tensors": report.tensors, "mb": round(report.bytes / 1e6, 1),
+                "buckets": buckets, "s": round(report.seconds, 3), "gather_s": round(gather_s, 3),
+                "send_s": round(send_s, 3), "updated": report.updated, "failed": report.failed}})
+        return report
+
+    def close(self) -> None:
+        """Leave the daemon's weight group (rank 0) and drop the buffers; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._group is not None and self._is_main:
+            with contextlib.suppress(Exception):
+                self._client.leave_weight_group()
+        self._drop_group()
+        self._buffers = []
+
+    def __enter__(self) -> WeightSender:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ transports
+
+    def _sync_collective(self, version: int, items: list[Item], canary: np.ndarray | None) -> tuple:
+        sizes = plan_buckets([it.nbytes for it in items], self.config.bucket_bytes)
+        transfer, err = None, None
+        if self._is_main:
+            try:
+                transfer = self._open(version, items, sizes, canary)
+            except Exception as e:
+                err = e
+        raise_outcome(share_outcome(err), err, version)  # a refusal: nothing gathered anywhere
+        gather_s = self._produce(items, sizes, transfer)
+        answer = None
+        if transfer is not None:
+            answer, err = transfer.result()
+            if transfer.sent < len(sizes):  # the members are out of step: rebuild before the next
+                self._drop_group()
+        raise_outcome(share_outcome(err), err, version)
+        return answer, len(sizes), gather_s, transfer.send_seconds if transfer is not None else 0.0
+
+    def _sync_inline(self, version: int, items: list[Item], canary: np.ndarray | None) -> tuple:
+        sizes = plan_buckets([it.nbytes for it in items], self.config.bucket_bytes)
+        tensors: list[torch.Tensor] = []
+        start = time.perf_counter()
+        if self._is_main or self._zero3:
+            for lo, hi in gathered(items, sizes, zero3=self._zero3):
+                if self._is_main:
+                    tensors.extend(host_copy(it) for it in items[lo:hi])
+        gather_s, answer, err, send_s = time.perf_counter() - start, None, None, 0.0
+        if self._is_main:
+            start = time.perf_counter()
+            try:
+                answer = self._client.update_weights(self._header(version, items, canary, tensors=tensors))
+            except Exception as e:
+                err = e
+            send_s = time.perf_counter() - start
+        raise_outcome(share_outcome(err), err, version)
+        return answer, 1, gather_s, send_s
+
+    def _produce(self, items: list[Item], sizes: list[int], transfer: Transfer | None) -> float:
+        """Walk the buckets (every rank under ZeRO-3, else rank 0 only); rank 0 packs each into a
+        free buffer for ``transfer``. Returns the seconds spent, waits for a buffer excluded."""
+        if not (self._is_main or self._zero3):
+            return 0.0
+        start, waited, stopped = time.perf_counter(), 0.0, transfer is None
+        for lo, hi in gathered(items, sizes, zero3=self._zero3):
+            if stopped:  # gather anyway: the other ranks' all-gathers need this rank
+                continue
+            t = time.perf_counter()
+            buffer = transfer.buffer()
+            waited += time.perf_counter() - t
+            if buffer is None:
+                stopped = True
+                continue
+            try:
+                flat = pack(items[lo:hi], buffer)
+                if flat.is_cuda:  # the broadcast runs on another thread: the copies must be done
+                    torch.cuda.current_stream().synchronize()
+                transfer.put(flat, buffer)
+            except Exception as e:
+                log.exception("packing weight bucket [%d, %d) failed", lo, hi)
+                transfer.fail(e)
+                stopped = True
+        return time.perf_counter() - start - waited
+
+    # ------------------------------------------------------------------ rank 0: the daemon
+
+    def _open(self, version: int, items: list[Item], sizes: list[int], canary: np.ndarray | None) -> Transfer:
+        """Announce the update and return once the daemon accepted it (rejoining once if stale)."""
+        buffers = self._buffers_for(items, sizes)
+        for attempt in (1, 2):
+            if self._group is None:
+                self._join()
+            update = self._header(version, items, canary, sizes=sizes, group=self._group.spec.as_dict())
+            transfer = Transfer(self._client, update, self._group, len(sizes), buffers)
+            if transfer.wait_accepted():
+                return transfer
+            _, err = transfer.result()
+            if not (_needs_rejoin(err) and attempt == 1):
+                raise err
+            log.warning("the daemon's weight group is not ours any more; rejoining",
+                        extra={"fields": {"reason": err.message}})
+            self._drop_group()
+        raise AssertionError("unreachable")
+
+    def _join(self) -> None:
+        cfg = self.config
+        port = cfg.port or _free_port(cfg.host)
+        joined, group = self._client.join_weight_group(cfg.host, port, backend=cfg.backend, timeout_s=cfg.timeout_s,
+                                                       sender=_make_group)
+        if group is None:
+            raise WeightSyncFailed("the daemon joined the weight group, but the sender's side was not built")
+        self._group = group
+        log.info("joined the rollout weight group", extra={"fields": {
+            "endpoint": f"{cfg.host}:{port}", "world_size": joined.get("world_size"), "members": joined.get("members")}})
+
+    def _drop_group(self) -> None:
+        group, self._group = self._group, None
+        if group is not None:
+            with contextlib.suppress(Exception):
+                group.close()
+
+    def _header(self, version: int, items: list[Item], canary: np.ndarray | None, *, sizes: list[int] = (),
+                group: dict[str, Any] | None = None, tensors: list[torch.Tensor] = ()) -> WeightUpdate:
+        extra: dict[str, Any] = {}
+        if canary is not None:
+            extra = {"canary_token_ids": np.asarray(self.config.canary_token_ids, dtype=np.int32),
+                     "canary_logprobs": canary, "canary_tolerance": self._canary_tolerance(items)}
+        return WeightUpdate(version=version, names=[it.name for it in items], dtypes=[it.dtype_name for it in items],
+                            shapes=[list(it.shape) for it in items], transport=self.config.transport,
+                            bucket_sizes=list(sizes), group=group or {}, tensors=list(tensors), **extra)
+
+    def _buffers_for(self, items: list[Item], sizes: list[int]) -> list[torch.Tensor]:
+        """Two buffers, each large enough for the largest bucket (kept for the next sync)."""
+        need = max((bucket_bytes(items[lo:hi]) for lo, hi in bucket_ranges(sizes, len(items))), default=0)
+        if len(self._buffers) != 2 or self._buffers[0].numel() < need:
+            pin = self._device.type == "cpu" and torch.cuda.is_available()  # faster copies from the GPU
+            self._buffers = [torch.empty(need, dtype=torch.uint8, device=self._device, pin_memory=pin)
+                             for _ in range(2)]
+        return self._buffers
+
+    # ------------------------------------------------------------------ every rank
+
+    def _canary(self) -> np.ndarray | None:
+        if not self.config.canary_token_ids or not (self._is_main or self._zero3):
+            return None
+        return prompt_logprobs(self._module, self.config.canary_token_ids)
+
+    def _canary_tolerance(self, items: list[Item]) -> float:
+        if self.config.canary_tolerance is not None:
+            return self.config.canary_tolerance
+        narrowed = any(it.dtype.itemsize < it.sources[0].dtype.itemsize for it in items)
+        return NARROWED_CANARY_TOL if narrowed else EXACT_CANARY_TOL
+
+def _needs_rejoin(err: BaseException | None) -> bool:
+    """Stale (the pool's membership changed), or no group at all (the daemon restarted, or
+    another sender made it leave ours); either way nothing was broadcast."""
+    return isinstance(err, WeightGroupStale) or (isinstance(err, BadRequest) and err.message.startswith("no weight group"))
+
+
+def _make_group(spec: dict[str, Any]) -> WeightGroup:
+    """The sender's side (rank 0) of the group the daemon accepted (runs in the client's thread)."""
+    return WeightGroup(GroupSpec(**spec))
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]

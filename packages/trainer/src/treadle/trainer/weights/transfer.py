@@ -1,0 +1,151 @@
+"""Rank 0's side of one collective weight update, and how a sync's outcome reaches every rank.
+
+``Transfer`` runs the daemon call (``update_weights``) in a thread; once the daemon has
+accepted, the rollout client runs ``Transfer``'s broadcast loop in its own thread, which sends
+the buckets that rank 0's gather hands over with ``put``. Two buffers circulate between them
+(``buffer`` -> ``put`` -> broadcast -> free again): packing bucket k+1 overlaps broadcasting
+bucket k, and memory stays at two buckets.
+
+``share_outcome`` / ``raise_outcome``: rank 0's result as one integer, all-reduced (max) over
+the trainer's ranks, so that every rank returns or raises alike and none is left waiting in a
+collective that rank 0 will not enter.
+
+Not here: gathering and packing (``gather``), the daemon's protocol choices (``sender``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import threading
+import time
+from typing import Any
+
+import torch
+
+from treadle.common.errors import (
+    BadRequest,
+    EngineDead,
+    InternalError,
+    RequestTimeout,
+    TreadleError,
+)
+from treadle.common.log import get_logger
+from treadle.common.records import WeightUpdate
+from treadle.rollout.client import EnginesQuarantined, NoEngine, WeightGroupStale
+from treadle.rollout.engine.group import WeightGroup
+
+log = get_logger(__name__)
+
+
+class WeightSyncFailed(InternalError):
+    """The sync failed on rank 0 for a reason that is not a treadle error (see rank 0's log)."""
+
+
+# What a failed sync raises on the ranks that did not see the error: the first class matching
+# rank 0's error, shared as its index + 1 (0: success). Most specific first.
+OUTCOMES: tuple[type[TreadleError], ...] = (WeightGroupStale, EnginesQuarantined, NoEngine, BadRequest,
+                                            EngineDead, RequestTimeout, TreadleError, WeightSyncFailed)
+
+
+def outcome_code(err: BaseException | None) -> int:
+    """0 for success, else 1 + the index of the first ``OUTCOMES`` class ``err`` is an instance of
+    (anything else: ``WeightSyncFailed``)."""
+    if err is None:
+        return 0
+    return 1 + next((i for i, cls in enumerate(OUTCOMES) if isinstance(err, cls)), len(OUTCOMES) - 1)
+
+
+def share_outcome(err: BaseException | None) -> int:
+    """Rank 0's outcome code on every rank: a max all-reduce of one integer (no-op on one rank)."""
+    code = outcome_code(err)
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        on_gpu = "nccl" in str(dist.get_backend())  # NCCL reduces device tensors only
+        t = torch.tensor([code], dtype=torch.int64,
+                         device=torch.device("cuda", torch.cuda.current_device()) if on_gpu else "cpu")
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        code = int(t.item())
+    return code
+
+
+def raise_outcome(code: int, err: BaseException | None, version: int) -> None:
+    """Return on success; raise ``err`` where it happened, an error of its class elsewhere."""
+    if code == 0:
+        return
+    if err is not None:
+        log.error("weight sync of version %d failed: %s", version, err)
+        raise err
+    cls = OUTCOMES[code - 1]
+    raise cls(f"weight sync of version {version} failed on rank 0 ({cls.__name__}); rank 0's log says why")
+
+
+class Transfer:
+    """One collective update in flight on rank 0 (see the module docstring)."""
+
+    def __init__(self, client: Any, update: WeightUpdate, group: WeightGroup, buckets: int,
+                 buffers: list[torch.Tensor]) -> None:
+        self._client, self._update, self._group, self._buckets = client, update, group, buckets
+        self._ready: queue.Queue[tuple[torch.Tensor, torch.Tensor] | None] = queue.Queue()
+        self._free: queue.Queue[torch.Tensor] = queue.Queue()
+        for b in buffers:
+            self._free.put(b)
+        self.accepted, self.finished, self.broken = threading.Event(), threading.Event(), threading.Event()
+        self.sent, self.send_seconds = 0, 0.0
+        self.answer: dict[str, Any] | None = None
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._call, name="weight-update", daemon=True)
+        self._thread.start()
+
+    def _call(self) -> None:
+        try:
+            self.answer = self._client.update_weights(self._update, send=self._send)
+        except Exception as e:
+            self.error = self.error or e  # a local failure (``fail``) explains more than its echo
+        finally:
+            self.finished.set()
+
+    def _send(self) -> None:
+        self.accepted.set()
+        try:
+            for _ in range(self._buckets):
+                got = self._ready.get()
+                if got is None:
+                    raise WeightSyncFailed("gathering stopped before the last bucket")
+                flat, buffer = got
+                start = time.perf_counter()
+                self._group.broadcast(flat, src=0)
+                self.send_seconds += time.perf_counter() - start
+                self.sent += 1
+                self._free.put(buffer)
+        except BaseException:
+            self.broken.set()
+            raise
+
+    def wait_accepted(self) -> bool:
+        """True once the daemon accepted the update; False when it answered (refused) first."""
+        while not self.accepted.wait(0.01):
+            if self.finished.is_set():
+                return self.accepted.is_set()
+        return True
+
+    def buffer(self) -> torch.Tensor | None:
+        """A free buffer for the next bucket (waits for a broadcast to finish); None: broken."""
+        while not self.broken.is_set():
+            with contextlib.suppress(queue.Empty):
+                return self._free.get(timeout=0.05)
+        return None
+
+    def put(self, flat: torch.Tensor, buffer: torch.Tensor) -> None:
+        """Hand a packed bucket (``flat``, a view of ``buffer``) to the broadcast."""
+        self._ready.put((flat, buffer))
+
+    def fail(self, error: BaseException) -> None:
+        """Rank 0 could not pack a bucket: stop the broadcast (the engines time out on the rest)."""
+        self.error = error
+        self._ready.put(None)
+
+    def result(self) -> tuple[dict[str, Any] | None, BaseException | None]:
+        """The daemon's answer or the error, once the call has ended."""
+        self._thread.join()
+        return self.answer, self.error

@@ -1,0 +1,346 @@
+#!/usr/bin/env python3
+"""Benchmark (issue 7, no. 1): GRPO step time of ``treadle-train ppo`` vs TRL's ``GRPOTrainer``,
+same `small` model, prompts, reward function, group size and generation length, one run.
+
+Goal: treadle's median step time <= 0.5x TRL's. Both sides: fp32, KL off (beta 0), one optimizer
+step per rollout batch of ``prompts_per_step x group_size`` samples, ``max_new_tokens`` sampled
+tokens at ``temperature``, AdamW at ``lr``, no checkpoints.
+
+- TRL runs in this process (HF ``generate``, no vLLM) with ``torch.set_num_threads(--threads)``
+  (2 = all of this machine's cores); a ``TrainerCallback`` times each step from
+  ``on_step_begin`` to ``on_step_end`` (generation, scoring and the update; not the logging that
+  follows), and ``_generate`` / ``_generate_and_score_completions`` are timed for the breakdown.
+- treadle runs as a subprocess (``treadle_argv`` builds the command, the one place to adjust it);
+  its processes set their own threads. Step times are read from ``<ckpt>/metrics.jsonl``
+  (``time/step``, ``time/generate``, ``time/experience``, ``time/train``, ``time/sync`` per RL
+  step).
+
+Medians over steps after ``--warmup_steps``; with ``--which both`` the sides alternate
+(treadle, TRL, treadle, TRL ... for ``--rounds``) because the CPU is noisy (PLATFORM.md) and
+only a ratio measured in one run means anything.
+
+    OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 .venv/bin/python tools/bench/bench_grpo_vs_trl.py \\
+        --which both --rounds 2 --json .cache/bench_grpo_vs_trl.json
+
+TRL is a benchmark-only dependency: ``pip install -r tools/bench/requirements-bench.txt``.
+Not a pytest benchmark (each side is minutes of CPU); not a check of learning (random weights).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# The reward, as a file both sides load: treadle by path (OpenRLHF's reward_func(queries, prompts,
+# labels), queries = prompt + response), TRL through a wrapper around the same function. No torch
+# import, so treadle's reward workers start fast.
+REWARD_PY = '''"""Arithmetic reward: 1.0 when the label appears in the response, else its share of digits."""
+
+
+def score(response: str, label: str) -> float:
+    if label in response:
+        return 1.0
+    return sum(c.isdigit() for c in response) / max(len(response), 1)
+
+
+def reward_func(queries, prompts, labels, **kwargs):
+    responses = [q[len(p):] if q.startswith(p) else q for q, p in zip(queries, prompts)]
+    return {"rewards": [score(r, str(l)) for r, l in zip(responses, labels)]}
+'''
+
+
+@dataclass(frozen=True, kw_only=True)
+class Args:
+    """GRPO step time: treadle vs TRL GRPOTrainer."""
+
+    which: Literal["trl", "treadle", "both"] = "both"
+    """Which side(s) to run."""
+    model: str = ""
+    """HF model folder; empty: build the `small` preset (tools/tiny_model.py, seed 0) into the work folder."""
+    workdir: str = ""
+    """Folder for model, prompts, reward file and run outputs; empty: a temporary folder."""
+    num_prompts: int = 64
+    """Prompts in the data set ("a+b=" with label "a+b")."""
+    prompts_per_step: int = 8
+    """Distinct prompts per rollout batch."""
+    group_size: int = 8
+    """Samples per prompt (GRPO group)."""
+    max_new_tokens: int = 32
+    """Sampled tokens per response (at most)."""
+    steps: int = 5
+    """Measured steps per side and round."""
+    warmup_steps: int = 1
+    """Steps run first and left out of the medians."""
+    temperature: float = 1.0
+    """Sampling temperature."""
+    lr: float = 1e-5
+    """AdamW learning rate."""
+    rounds: int = 1
+    """Alternations of the sides (--which both), or repeats of the one side."""
+    threads: int = 2
+    """torch threads of the in-process TRL run (2: all cores here)."""
+    seed: int = 0
+    """Data and training seed."""
+    treadle_extra: tuple[str, ...] = ()
+    """Extra flags appended to the treadle command."""
+    treadle_timeout_s: float = 1800.0
+    """Give up on a treadle run after this long."""
+    json: str = ""
+    """Write the numbers here (JSON); empty: don't."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Files:
+    model: Path
+    prompts: Path
+    reward: Path
+    work: Path
+
+
+def build_small(out: Path) -> Path:
+    spec = importlib.util.spec_from_file_location("tiny_model", ROOT / "tools" / "tiny_model.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module.build("small", out, seed=0).out
+
+
+def write_inputs(args: Args, work: Path) -> Files:
+    """Model (unless given), prompts JSONL and reward file under ``work``."""
+    work.mkdir(parents=True, exist_ok=True)
+    model = Path(args.model) if args.model else build_small(work / "small")
+    rng = random.Random(args.seed)
+    rows = []
+    for _ in range(args.num_prompts):
+        a, b = rng.randint(0, 99), rng.randint(0, 99)
+        rows.append({"prompt": f"{a}+{b}=", "label": str(a + b)})
+    prompts = work / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    reward = work / "reward.py"
+    reward.write_text(REWARD_PY)
+    return Files(model=model, prompts=prompts, reward=reward, work=work)
+
+
+def total_steps(args: Args) -> int:
+    return args.warmup_steps + args.steps
+
+
+def treadle_argv(args: Args, f: Files, out: Path) -> list[str]:
+    """The ``treadle-train ppo`` command for the common knobs: one place to adjust it. Metrics
+    land in ``out/ckpt/metrics.jsonl``, the final model in ``out/model``."""
+    samples = total_steps(args) * args.prompts_per_step
+    episodes = math.ceil(samples / args.num_prompts)
+    batch = args.prompts_per_step * args.group_size
+    return [
+        str(ROOT / ".venv" / "bin" / "treadle-train"), "ppo",
+        "--actor.model_name_or_path", str(f.model),
+        "--data.prompt_dataset", str(f.prompts), "--data.input_key", "prompt", "--data.label_key", "label",
+        "--data.max_samples", str(min(samples, args.num_prompts)), "--data.prompt_max_len", "64",
+        "--reward.remote_url", str(f.reward),
+        "--algo.advantage.estimator", "group_norm", "--algo.kl.init_coef", "0",
+        "--rollout.n_samples_per_prompt", str(args.group_size), "--rollout.batch_size", str(args.prompts_per_step),
+        "--rollout.micro_batch_size", str(args.group_size), "--rollout.max_new_tokens", str(args.max_new_tokens),
+        "--rollout.temperature", str(args.temperature),
+        "--train.batch_size", str(batch), "--train.micro_batch_size", str(args.group_size),
+        "--train.num_episodes", str(episodes), "--train.seed", str(args.seed),
+        "--actor.adam.lr", str(args.lr), "--actor.num_gpus_per_node", "1",
+        "--vllm.num_engines", "1", "--vllm.backend", "vllm", "--vllm.gpu_memory_utilization", "0.1",
+        "--ds.param_dtype", "fp32",  # default bf16 (trainer and vLLM engine); TRL runs fp32
+        # output_dir apart from ckpt.path: the export replaces its folder (default ./ckpt)
+        "--ckpt.path", str(out / "ckpt"), "--ckpt.output_dir", str(out / "model"), *args.treadle_extra,
+    ]
+
+
+def run_treadle(args: Args, f: Files, tag: str) -> dict[str, list[float]]:
+    """One treadle run; per-step phase times (seconds) after warm-up, from metrics.jsonl."""
+    from treadle.common.env import child_env
+
+    out = f.work / f"treadle-{tag}"
+    out.mkdir(parents=True, exist_ok=True)
+    ckpt = out / "ckpt"
+    log = out / "log.txt"
+    env = child_env({"TORCH_EXTENSIONS_DIR": str(ROOT / ".cache" / "torch_extensions"),
+                     "VLLM_CACHE_ROOT": str(ROOT / ".cache" / "vllm"), "HF_HOME": str(ROOT / ".cache" / "hf"),
+                     "HF_HUB_OFFLINE": "1", "RAY_AUTH_MODE": "disabled"})
+    cmd = treadle_argv(args, f, out)
+    print("treadle:", " ".join(cmd), flush=True)
+    t0 = time.perf_counter()
+    with log.open("w") as fh:
+        rc = subprocess.run(cmd, cwd=out, env=env, stdout=fh, stderr=subprocess.STDOUT,
+                            timeout=args.treadle_timeout_s, check=False).returncode
+    if rc != 0:
+        tail = log.read_text().splitlines()[-30:]
+        raise RuntimeError(f"treadle-train exited {rc} after {time.perf_counter() - t0:.0f} s; "
+                           f"log {log}:\n" + "\n".join(tail))
+    rows = [json.loads(line) for line in (ckpt / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rows = [r for r in rows if "time/step" in r][args.warmup_steps:]
+    if not rows:
+        raise RuntimeError(f"{ckpt / 'metrics.jsonl'} has no `time/step` rows after {args.warmup_steps} warm-up")
+    keys = ("step", "generate", "experience", "train", "sync")
+    return {k: [float(r.get(f"time/{k}", float("nan"))) for r in rows] for k in keys}
+
+
+def trl_reward(path: Path):
+    """A TRL reward function ``f(prompts, completions, label, **kw) -> list[float]`` calling the
+    file's ``reward_func`` on prompt + completion, exactly what treadle's workers call."""
+    spec = importlib.util.spec_from_file_location("bench_reward", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+
+    def arith_reward(prompts, completions, label, **kwargs) -> list[float]:
+        queries = [p + c for p, c in zip(prompts, completions, strict=True)]
+        return [float(x) for x in module.reward_func(queries, prompts, label)["rewards"]]
+
+    return arith_reward
+
+
+def trl_config(args: Args, out: Path):
+    from trl import GRPOConfig
+
+    batch = args.prompts_per_step * args.group_size
+    return GRPOConfig(
+        output_dir=str(out), max_steps=total_steps(args), learning_rate=args.lr, seed=args.seed,
+        per_device_train_batch_size=batch, gradient_accumulation_steps=1, generation_batch_size=batch,
+        num_generations=args.group_size, num_iterations=1, max_completion_length=args.max_new_tokens,
+        temperature=args.temperature, beta=0.0, use_vllm=False, bf16=False, fp16=False,
+        model_init_kwargs={"dtype": "float32"}, report_to=[], logging_steps=1, save_strategy="no",
+        disable_tqdm=True, log_completions=False, lr_scheduler_type="constant", warmup_steps=0,
+        weight_decay=0.0, dataloader_num_workers=0)
+
+
+class PhaseTimer:
+    """Per-step wall time (TrainerCallback) plus time spent in the wrapped trainer methods."""
+
+    def __init__(self) -> None:
+        self.steps: list[dict[str, float]] = []
+        self.acc: dict[str, float] = {}
+        self.t0 = 0.0
+
+    def wrap(self, obj, name: str, key: str) -> None:
+        inner = getattr(obj, name)
+
+        def timed(*a, **kw):
+            start = time.perf_counter()
+            try:
+                return inner(*a, **kw)
+            finally:
+                self.acc[key] = self.acc.get(key, 0.0) + time.perf_counter() - start
+
+        setattr(obj, name, timed)
+
+    def callback(self):
+        from transformers import TrainerCallback
+
+        timer = self
+
+        class StepTimes(TrainerCallback):
+            def on_step_begin(self, args, state, control, **kw):
+                timer.acc, timer.t0 = {}, time.perf_counter()
+
+            def on_step_end(self, args, state, control, **kw):
+                timer.steps.append({"step": time.perf_counter() - timer.t0, **timer.acc})
+
+        return StepTimes()
+
+
+def run_trl(args: Args, f: Files, tag: str) -> dict[str, list[float]]:
+    """One TRL run in this process; per-step phase times (seconds) after warm-up."""
+    import torch
+    from datasets import Dataset
+    from trl import GRPOTrainer
+
+    torch.set_num_threads(args.threads)
+    rows = [json.loads(line) for line in f.prompts.read_text().splitlines()]
+    data = Dataset.from_list(rows)
+    timer = PhaseTimer()
+    trainer = GRPOTrainer(model=str(f.model), reward_funcs=trl_reward(f.reward),
+                          args=trl_config(args, f.work / f"trl-{tag}"), train_dataset=data,
+                          callbacks=[timer.callback()])
+    timer.wrap(trainer, "_generate", "generate")
+    timer.wrap(trainer, "_generate_and_score_completions", "rollout")
+    trainer.train()
+    steps = timer.steps[args.warmup_steps:]
+    # "generate": HF generate (+ tokenizing, decoding); "score": rewards, advantages, logprobs;
+    # "train": forward, backward and optimizer step.
+    return {"step": [s["step"] for s in steps], "generate": [s.get("generate", 0.0) for s in steps],
+            "score": [s.get("rollout", 0.0) - s.get("generate", 0.0) for s in steps],
+            "train": [s["step"] - s.get("rollout", 0.0) for s in steps]}
+
+
+def median(xs: list[float]) -> float:
+    xs = [x for x in xs if not math.isnan(x)]
+    return statistics.median(xs) if xs else float("nan")
+
+
+def summarize(runs: dict[str, list[dict[str, list[float]]]]) -> dict[str, dict[str, float]]:
+    """Per side: median of every phase over all measured steps of all rounds, and the step count."""
+    out = {}
+    for side, rs in runs.items():
+        keys = rs[0].keys()
+        out[side] = {k: median([x for r in rs for x in r[k]]) for k in keys}
+        out[side]["n_steps"] = sum(len(r["step"]) for r in rs)
+    return out
+
+
+def report(args: Args, runs: dict[str, list[dict[str, list[float]]]]) -> dict:
+    summary = summarize(runs)
+    print(f"\nGRPO, `small` model, {args.prompts_per_step} prompts x {args.group_size} samples, "
+          f"{args.max_new_tokens} new tokens, fp32, medians after {args.warmup_steps} warm-up step(s); "
+          f"TRL in-process with torch threads = {args.threads}")
+    print("| side | step s | phases (s) | steps | per-round step medians |\n|---|---|---|---|---|")
+    for side, s in summary.items():
+        phases = ", ".join(f"{k} {v:.3f}" for k, v in s.items() if k not in ("step", "n_steps"))
+        rounds = " ".join(f"{median(r['step']):.3f}" for r in runs[side])
+        print(f"| {side} | {s['step']:.3f} | {phases} | {s['n_steps']} | {rounds} |")
+    result = {"args": {k: getattr(args, k) for k in Args.__dataclass_fields__}, "summary": summary, "runs": runs}
+    if "treadle" in summary and "trl" in summary:
+        ratio = summary["treadle"]["step"] / summary["trl"]["step"]
+        result["ratio_treadle_over_trl"] = ratio
+        print(f"ratio treadle / TRL = {ratio:.3f} (goal <= 0.5)")
+    return result
+
+
+def bench(args: Args, f: Files) -> dict:
+    sides = {"treadle": run_treadle, "trl": run_trl}
+    order = ["treadle", "trl"] if args.which == "both" else [args.which]
+    runs: dict[str, list[dict[str, list[float]]]] = {side: [] for side in order}
+    loads = []  # other users of this shared machine show up here: a busy neighbour slows 2-thread runs ~4x
+    for r in range(args.rounds):
+        for side in order:
+            loads.append({"side": side, "round": r, "load1_before": os.getloadavg()[0]})
+            t0 = time.perf_counter()
+            runs[side].append(sides[side](args, f, f"r{r}"))
+            print(f"{side} round {r}: median step {median(runs[side][-1]['step']):.3f} s, steps "
+                  + " ".join(f"{x:.2f}" for x in runs[side][-1]["step"])
+                  + f" (run {time.perf_counter() - t0:.0f} s, load before {loads[-1]['load1_before']:.2f})",
+                  flush=True)
+    return {**report(args, runs), "load_avg": loads}
+
+
+def main() -> None:
+    import tyro
+
+    args = tyro.cli(Args)
+    with tempfile.TemporaryDirectory(prefix="treadle-bench-grpo-") as tmp:
+        files = write_inputs(args, Path(args.workdir) if args.workdir else Path(tmp))
+        result = bench(args, files)
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1, default=str) + "\n")
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
