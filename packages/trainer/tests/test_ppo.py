@@ -173,3 +173,55 @@ def test_killed_and_resumed_trains_each_trajectory_once(tiny, task, daemon, help
     assert len(used) == len(set(used)) == 16 * 32  # none twice
     assert not state.pending  # none skipped: every logged group was trained
     assert sorted(lineage) == list(range(1, 17))
+
+
+AGENT_FILE = Path(__file__).resolve().parents[2] / "agents" / "tests" / "agent_files" / "agent_func.py"
+VARIANTS = {
+    # PPO with a critic started from a reward model (the tiny LM + a fresh value head scores)
+    "gae_critic_reward_model": ["--algo.advantage.estimator", "gae", "--rollout.n_samples_per_prompt", "1",
+                                "--rollout.batch_size", "8", "--train.batch_size", "8", "--train.micro_batch_size", "8",
+                                "--rollout.micro_batch_size", "8", "--reward.remote_url", "",
+                                "--reward.model_name_or_path", "{tiny}", "--critic.num_gpus_per_node", "1",
+                                "--reward.num_gpus_per_node", "1", "--algo.kl.init_coef", "0.01"],
+    "rloo_multi_turn_agent": ["--algo.advantage.estimator", "rloo", "--reward.remote_url", "",
+                              "--train.agent_func_path", str(AGENT_FILE), "--rollout.max_new_tokens", "6"],
+    "reinforce_two_epochs_gspo_is": ["--algo.advantage.estimator", "reinforce_baseline", "--train.max_epochs", "2",
+                                     "--actor.policy_loss_type", "gspo", "--actor.loss_agg_mode", "seq-mean-token-mean",
+                                     "--algo.advantage.is_correction_enable", "--actor.entropy_coef", "0.001"],
+    "dr_grpo_colocated_sleep": ["--algo.advantage.estimator", "dr_grpo", "--train.colocate_all", "--vllm.enable_sleep",
+                                "--ref.num_gpus_per_node", "1", "--algo.kl.init_coef", "0.01", "--algo.kl.use_loss",
+                                "--algo.kl.estimator", "k3", "--ds.packing_samples"],
+    "async_partial_rollout_dapo": ["--train.async_enable", "--train.partial_rollout_enable",
+                                   "--algo.dynamic_filtering_enable", "--algo.dynamic_filtering_range", "0.0", "0.9",
+                                   "--reward.overlong_buffer_len", "4"],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_variants_run_and_log(variant, tiny, task, daemon, helpers, tmp_path):
+    extra = [a.replace("{tiny}", str(tiny)) for a in VARIANTS[variant]]
+    args = ppo_args(tiny, task, tmp_path, daemon, "--data.max_samples", "8", "--train.num_episodes", "1", *extra)
+    if "" in args:  # a flag set to "" above removes it (the reward file) from the base arguments
+        k = args.index("")
+        del args[k - 1:k + 1]
+        del args[args.index("--reward.remote_url"):args.index("--reward.remote_url") + 2]
+    run_ppo(args, helpers)
+    rows = metrics(tmp_path)
+    assert rows and all(r["samples"] > 0 for r in rows)
+    assert all(r["logprob_gap/max"] <= 1e-3 or variant.startswith("async") for r in rows)
+    if "critic" in variant:
+        assert "critic/loss" in rows[0]
+    if variant.startswith("async"):
+        assert all(r["staleness/max"] <= 1 for r in rows)
+
+
+@pytest.mark.slow
+def test_two_ranks_zero3(tiny, task, daemon, helpers, tmp_path):
+    args = ppo_args(tiny, task, tmp_path, daemon, "--algo.kl.init_coef", "0.01", "--data.max_samples", "12",
+                    "--actor.num_gpus_per_node", "2", "--train.micro_batch_size", "8", "--rollout.micro_batch_size", "8")
+    helpers.torchrun(["-m", "treadle.trainer.cli", *args], nproc=2)
+    rows = metrics(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert rows[0]["kl"] == 0.0 and all(r["logprob_gap/max"] <= 1e-3 for r in rows)
+    assert (tmp_path / "model" / "model.safetensors").is_file()

@@ -65,11 +65,17 @@ def episode_rewards(exps: Sequence[Experience], cfg: ReturnsConfig) -> torch.Ten
 
 
 def finalize(exps: Sequence[Experience], cfg: ReturnsConfig) -> dict[str, float]:
-    """Fill ``is_weights``, ``advantages`` and ``returns`` of ``exps``; the step's metrics."""
-    old, mask = stack(exps, "old_logp")
-    rollout, _ = stack(exps, "rollout_logp")
-    gap_mean, gap_max = logprob_gap(old, rollout, mask)
-    metrics = {"logprob_gap/mean": gap_mean, "logprob_gap/max": gap_max}
+    """Fill ``is_weights``, ``advantages`` and ``returns`` of ``exps``; the step's metrics.
+
+    Without ``old_logp`` arrays (not scored: strictly on-policy, no KL penalty in the reward, no IS
+    correction) the gap between engine and trainer is measured in the actor's step instead."""
+    rollout, mask = stack(exps, "rollout_logp")
+    metrics: dict[str, float] = {}
+    if "old_logp" in exps[0].arrays:
+        old, _ = stack(exps, "old_logp")
+        metrics["logprob_gap/mean"], metrics["logprob_gap/max"] = logprob_gap(old, rollout, mask)
+    elif cfg.is_kind is not None or (cfg.kl_coef > 0 and cfg.kl_in_reward):
+        raise ValueError("finalize needs old_logp for the IS correction and the KL penalty")
     if cfg.is_kind is None:
         weights = mask.float()
     else:
@@ -80,7 +86,7 @@ def finalize(exps: Sequence[Experience], cfg: ReturnsConfig) -> dict[str, float]
 
     shaped = episode_rewards(exps, cfg)
     kl = None
-    if "ref_logp" in exps[0].arrays:
+    if "ref_logp" in exps[0].arrays and "old_logp" in exps[0].arrays:
         ref, _ = stack(exps, "ref_logp")
         kl = KL_ESTIMATORS[cfg.kl_estimator](old, ref) * mask
         per_seq = kl.sum(1) / mask.sum(1).clamp(min=1)

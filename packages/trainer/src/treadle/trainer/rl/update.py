@@ -83,18 +83,21 @@ def _shift(values: Tensor) -> Tensor:
 
 
 @torch.no_grad()
-def score(exps: Sequence[Experience], b: Batching, *, actor: Any, reference: Any | None, critic: Any | None,
+def score(exps: Sequence[Experience], b: Batching, *, actor: Any | None, reference: Any | None, critic: Any | None,
           temperature: float) -> dict[str, float]:
-    """Fill ``old_logp`` (+ ``entropy``), ``ref_logp`` and ``values`` of ``exps``; returns entropy sums."""
+    """Fill ``old_logp`` (+ entropy sums), ``ref_logp`` and ``values`` of ``exps`` for the models given
+    (``actor`` None: the old-policy logprobs are not needed, see ``trainers.ppo``)."""
     sums: dict[str, float] = defaultdict(float)
+    if actor is None and reference is None and critic is None:
+        return dict(sums)
     for idx in micro_groups(exps, b):
         group = [exps[i] for i in idx]
         ab = collate(group, packing=b.packing, pad_id=b.pad_id, device=b.device)
-        out = Actor(actor)(ab.batch, temperature=temperature, with_entropy=True)
-        _store(group, "old_logp", ab.actions(out.logprobs), ab)
-        ent = ab.actions(out.entropy)
-        sums["entropy"] += float(ent.sum())
-        sums["tokens"] += float(ab.mask.sum())
+        if actor is not None:
+            out = Actor(actor)(ab.batch, temperature=temperature, with_entropy=True)
+            _store(group, "old_logp", ab.actions(out.logprobs), ab)
+            sums["entropy"] += float(ab.actions(out.entropy).sum())
+            sums["tokens"] += float(ab.mask.sum())
         if reference is not None:
             _store(group, "ref_logp", ab.actions(reference.logprobs(ab.batch, temperature=temperature)), ab)
         if critic is not None:
@@ -115,8 +118,14 @@ def _units(exps: Sequence[Experience], aggregation: str, device: torch.device) -
 
 
 def actor_step(engine: Any, exps: Sequence[Experience], b: Batching, loss: PolicyLoss, world: int) -> dict[str, float]:
-    """One optimizer step of the actor on this rank's ``exps``; metrics are step means over all ranks."""
-    names = ["old_logp", "advantages", "is_weights"] + (["ref_logp"] if loss.kl_coef > 0 else [])
+    """One optimizer step of the actor on this rank's ``exps``; metrics are step means over all ranks.
+
+    Without ``old_logp`` arrays (strictly on-policy: one optimizer step per rollout batch, so the
+    weights cannot change between sampling and this step's forwards) the old policy is the current
+    one: ``old = logp.detach()``, which is what a separate scoring pass would have computed."""
+    on_policy = "old_logp" not in exps[0].arrays
+    names = ["advantages", "is_weights", "rollout_logp"] + ([] if on_policy else ["old_logp"]) \
+        + (["ref_logp"] if loss.kl_coef > 0 else [])
     agg = AGGREGATIONS[loss.aggregation]
     units = _units(exps, loss.aggregation, b.device)
     groups = micro_groups(exps, b)
@@ -126,7 +135,12 @@ def actor_step(engine: Any, exps: Sequence[Experience], b: Batching, loss: Polic
         ab = collate([exps[i] for i in idx], packing=b.packing, pad_id=b.pad_id, names=names, device=b.device)
         out = Actor(engine)(ab.batch, temperature=loss.temperature, with_entropy=loss.entropy_coef is not None)
         logp, m = ab.actions(out.logprobs), ab.mask
-        terms = POLICY_LOSSES[loss.kind](logp, ab.arrays["old_logp"], ab.arrays["advantages"], m,
+        old = logp.detach() if on_policy else ab.arrays["old_logp"]
+        gap = ((old - ab.arrays["rollout_logp"]).abs() * m)
+        sums["_gap_sum"] += float(gap.sum())
+        sums["_gap_max"] = max(sums["_gap_max"], float(gap.max()))
+        sums["_actions"] += float(m.sum())
+        terms = POLICY_LOSSES[loss.kind](logp, old, ab.arrays["advantages"], m,
                                          clip_low=loss.clip_low, clip_high=loss.clip_high,
                                          weights=ab.arrays["is_weights"], **_dual(loss))
         per_token = terms.loss
@@ -146,9 +160,12 @@ def actor_step(engine: Any, exps: Sequence[Experience], b: Batching, loss: Polic
         sums["policy_loss"] += float(agg.total(terms.loss.detach(), m))
         sums["clip_frac"] += float(agg.total(terms.clipped.float(), m))
         sums["ratio"] += float(agg.total(terms.ratio.detach() * m, m))
+    gap_max = all_reduce([sums.pop("_gap_max")], b.device, op="max")[0]
+    gap_sum, actions = all_reduce([sums.pop("_gap_sum"), sums.pop("_actions")], b.device)
     keys = sorted(sums)
     reduced = all_reduce([sums[key] for key in keys], b.device)
     metrics = {f"actor/{key}": v / units for key, v in zip(keys, reduced, strict=True)}
+    metrics.update({"actor/logprob_gap_mean": gap_sum / max(actions, 1.0), "actor/logprob_gap_max": gap_max})
     metrics["actor/lr"] = engine.get_lr()[0]
     norm = engine.get_global_grad_norm()
     if norm is not None:

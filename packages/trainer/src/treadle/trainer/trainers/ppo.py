@@ -94,6 +94,21 @@ class PPOTrainer:
             is_kind=adv.is_correction_type if adv.is_correction_enable else None, is_band=adv.is_correction_threshold)
 
     @property
+    def needs_old_logp(self) -> bool:
+        """Whether experiences need a scoring pass of the policy before training.
+
+        Not when training is strictly on-policy (one optimizer step per rollout batch: the weights
+        that the step's forwards see are those the old-policy pass would see) and nothing else reads
+        the old logprobs before the step (the KL penalty in the reward, the IS correction): the
+        actor step then uses its own detached logprobs, saving a forward over the whole batch, as TRL
+        does. Reference and critic are still scored.
+        """
+        c = self.cfg
+        kl_in_reward = self.p.reference is not None and not c.algo.kl.use_loss
+        return (c.train.max_epochs > 1 or self.p.opt_steps_per_rl_step > 1 or kl_in_reward
+                or c.algo.advantage.is_correction_enable or self.p.reference is not None)
+
+    @property
     def total_steps(self) -> int:
         return len(self.p.prompts) * self.cfg.train.num_episodes // self.cfg.rollout.batch_size
 
@@ -111,9 +126,8 @@ class PPOTrainer:
             items = self.stream.take(cfg.rollout.batch_size)
             if not items:
                 return None
-            self._wake()
             groups = gen.collect(items)
-            self._sleep()
+            self._sleep()  # colocated: free the engines' memory for training; woken again to load weights
             group, rest = groups[0], groups[1:]
             for g in rest:
                 self.p.trajlog.append_group(g.seq, g.trajectories)
@@ -155,6 +169,7 @@ class PPOTrainer:
         return [t for g in kept for t in g.trajectories], dropped, dict(counts)
 
     def _wake(self) -> None:
+        """Colocated runs: the engines wake to load weights, generate (and evaluate), then sleep."""
         if self.cfg.vllm.enable_sleep:
             self.p.sync_client.wake()
 
@@ -171,9 +186,10 @@ class PPOTrainer:
             e.reward = float(e.traj.reward or 0.0)
             e.staleness = self.version - e.traj.min_policy_version
         mine = [exps[i] for i in share_of(len(exps), self.dist.world, self.dist.rank)]
-        sums = score(mine, self.score_batching, actor=self.p.actor, reference=self.p.reference,
+        policy = self.p.actor if self.needs_old_logp else None
+        sums = score(mine, self.score_batching, actor=policy, reference=self.p.reference,
                      critic=self.p.critic, temperature=self.cfg.rollout.temperature)
-        names = ["old_logp"] + (["ref_logp"] if self.p.reference is not None else []) \
+        names = (["old_logp"] if policy is not None else []) + (["ref_logp"] if self.p.reference is not None else []) \
             + (["values"] if self.p.critic is not None else [])
         all_gather_arrays(exps, names, self.dist.device)
         if self.p.reward_model is not None:
@@ -181,7 +197,9 @@ class PPOTrainer:
         ent, tokens = all_reduce([sums.get("entropy", 0.0), sums.get("tokens", 0.0)], self.dist.device)
         metrics = finalize(exps, self.returns_config())
         staleness = np.array([e.staleness for e in exps])
-        metrics.update({"entropy": ent / max(tokens, 1.0), "staleness/mean": float(staleness.mean()),
+        if tokens:
+            metrics["entropy"] = ent / tokens
+        metrics.update({"staleness/mean": float(staleness.mean()),
                         "staleness/max": float(staleness.max()), "kl_coef": self.kl.coef,
                         "score/mean": float(np.mean([t.score if t.score is not None else (t.reward or 0.0) for t in trajs]))})
         return exps, metrics
@@ -260,6 +278,8 @@ class PPOTrainer:
             torch.distributed.barrier()
 
     def sync_weights(self, version: int) -> dict[str, float]:
+        if self.dist.is_main:
+            self._wake()  # engines load weights awake (colocated: they slept through training)
         report = self.p.sender.sync(version)
         self.version = version
         if self.dist.is_main and self.cfg.train.async_enable:
@@ -273,7 +293,10 @@ class PPOTrainer:
         run on a daemon still at version 0 (serving the starting weights) needs nothing; any
         other start (a resume, a used daemon) sends the weights as a version newer than both.
         """
-        served = self.p.sync_client.health()["version"] if self.dist.is_main else 0
+        served = 0
+        if self.dist.is_main:
+            self.p.sync_client.wake()  # a daemon left asleep (a colocated run that died) would refuse work
+            served = self.p.sync_client.health()["version"]
         served = int(all_reduce([served], self.dist.device, op="max")[0])
         if state.global_step == 0 and served == 0:
             self.version = 0
@@ -314,6 +337,9 @@ class PPOTrainer:
             t_exp = time.perf_counter()
             step = state.global_step + 1
             metrics.update(self.train_on(exps, step))
+            for k in ("mean", "max"):  # measured in the actor's step when no scoring pass ran
+                if f"actor/logprob_gap_{k}" in metrics:
+                    metrics.setdefault(f"logprob_gap/{k}", metrics[f"actor/logprob_gap_{k}"])
             self.kl = self.kl.updated(metrics.get("kl", 0.0), len(exps))
             t_train = time.perf_counter()
             if main:
@@ -357,9 +383,7 @@ class PPOTrainer:
         improved = 0.0
         if self.dist.is_main:
             start = time.perf_counter()
-            self._wake()
             metrics.update(self.p.generator.evaluate(self.p.eval_prompts, n=self.cfg.eval.n_samples_per_prompt))
-            self._sleep()
             metrics["time/eval"] = time.perf_counter() - start
             value = metrics.get(self._best_key())
             if self.cfg.ckpt.best_metric_key != "none" and value is not None and \

@@ -89,6 +89,8 @@ class SenderConfig:
     timeout_s: float = 300.0  # joining, and each broadcast
     canary_token_ids: tuple[int, ...] = ()  # prompt whose logprobs the engines must reproduce; (): none
     canary_tolerance: float | None = None  # None: 1e-3, or 0.1 when ``dtype`` narrows the trainer's
+    mode: Literal["wait", "abort"] = "wait"  # in-flight samples: finish on the old weights, or stop now
+    # (partial rollout: the agents' sampler resumes them on the new weights)
 
     def __post_init__(self) -> None:
         if self.transport not in ("collective", "inline"):
@@ -223,7 +225,8 @@ class WeightSender:
         if self._is_main:
             start = time.perf_counter()
             try:
-                answer = self._client.update_weights(self._header(version, items, canary, tensors=tensors))
+                answer = self._client.update_weights(self._header(version, items, canary, tensors=tensors),
+                                                     mode=self.config.mode)
             except Exception as e:
                 err = e
             send_s = time.perf_counter() - start
@@ -265,7 +268,7 @@ class WeightSender:
             if self._group is None:
                 self._join()
             update = self._header(version, items, canary, sizes=sizes, group=self._group.spec.as_dict())
-            transfer = Transfer(self._client, update, self._group, len(sizes), buffers)
+            transfer = Transfer(self._client, update, self._group, len(sizes), buffers, self.config.mode)
             if transfer.wait_accepted():
                 return transfer
             _, err = transfer.result()

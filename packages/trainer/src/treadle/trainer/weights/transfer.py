@@ -84,8 +84,9 @@ class Transfer:
     """One collective update in flight on rank 0 (see the module docstring)."""
 
     def __init__(self, client: Any, update: WeightUpdate, group: WeightGroup, buckets: int,
-                 buffers: list[torch.Tensor]) -> None:
+                 buffers: list[torch.Tensor], mode: str = "wait") -> None:
         self._client, self._update, self._group, self._buckets = client, update, group, buckets
+        self._mode = mode
         self._ready: queue.Queue[tuple[torch.Tensor, torch.Tensor] | None] = queue.Queue()
         self._free: queue.Queue[torch.Tensor] = queue.Queue()
         for b in buffers:
@@ -99,7 +100,7 @@ class Transfer:
 
     def _call(self) -> None:
         try:
-            self.answer = self._client.update_weights(self._update, send=self._send)
+            self.answer = self._client.update_weights(self._update, send=self._send, mode=self._mode)
         except Exception as e:
             self.error = self.error or e  # a local failure (``fail``) explains more than its echo
         finally:
