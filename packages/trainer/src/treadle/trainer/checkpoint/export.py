@@ -37,10 +37,10 @@ def full_state_dict(engine: Any, *, zero_stage: int, is_main: bool) -> dict[str,
     """Every weight of ``engine.module`` on the CPU on rank 0 (None elsewhere); all ranks must call it."""
     module = engine.module
     if zero_stage == 3:
+        if _has_peft(module):
+            return _zero3_merged(module, is_main)
         import deepspeed  # noqa: PLC0415
 
-        if _has_peft(module):
-            raise NotImplementedError("exporting LoRA adapters trained with ZeRO-3 is not supported yet; use --ds.zero_stage 2")
         out: dict[str, torch.Tensor] = {}
         for name, p in module.named_parameters():
             with deepspeed.zero.GatheredParameters([p], modifier_rank=None):
@@ -52,6 +52,25 @@ def full_state_dict(engine: Any, *, zero_stage: int, is_main: bool) -> dict[str,
     if not is_main:
         return None
     return {k: v.detach().cpu().clone() for k, v in _merged(module).state_dict().items()}
+
+
+def _zero3_merged(module: torch.nn.Module, is_main: bool) -> dict[str, torch.Tensor] | None:
+    """A ZeRO-3 LoRA causal LM's merged weights (``W + scaling * B @ A`` per adapted layer), gathered
+    one tensor at a time with the weight sender's plan (the same names the engines load)."""
+    from peft import PeftModel  # noqa: PLC0415
+
+    from treadle.trainer.weights.gather import gathered, plan  # noqa: PLC0415
+
+    if not isinstance(module, PeftModel):
+        raise NotImplementedError("exporting a value model (reward model / critic) with LoRA adapters trained "
+                                  "with ZeRO-3 is not supported yet; use --ds.zero_stage 2")
+    items = plan(module)
+    out: dict[str, torch.Tensor] = {}
+    for lo, hi in gathered(items, [1] * len(items), zero3=True):
+        if is_main:
+            for it in items[lo:hi]:
+                out[it.name] = it.value().cpu().clone()
+    return out if is_main else None
 
 
 def _has_peft(module: torch.nn.Module) -> bool:
