@@ -209,12 +209,16 @@ class PPOTrainer:
         from treadle.trainer.rl.experience import collate  # noqa: PLC0415
 
         rm = self.p.reward_model
+        mean, std = 0.0, 1.0
+        if self.cfg.reward.normalize_enable:  # the statistics the RM trainer stored with the model
+            mean = float(getattr(rm.config, "reward_mean", 0.0))
+            std = float(getattr(rm.config, "reward_std", 1.0)) or 1.0
         for lo in range(0, len(exps), self.score_batching.micro_batch):
             group = exps[lo:lo + self.score_batching.micro_batch]
             ab = collate(group, packing=self.batching.packing, pad_id=self.batching.pad_id, device=self.dist.device)
             scores = rm.scores(rm(**ab.batch.model_inputs()), ab.batch).float().cpu().tolist()
-            for e, s in zip(group, scores, strict=True):
-                e.reward = s
+            for e, value in zip(group, scores, strict=True):
+                e.reward = (value - mean) / std
 
     def train_on(self, exps: list[Experience], step: int) -> dict[str, float]:
         """``max_epochs`` passes over ``exps`` in optimizer steps; critic then actor."""
