@@ -70,7 +70,7 @@ class DeepSpeedConfig:
     ring_attn_size: int = 1
     """Ranks that split one sequence with ring attention (context parallelism); 1: off."""
     ring_attn_head_stride: int = 1
-    """Heads handled per ring-attention pass; a divisor of the head count (larger: faster, more memory)."""
+    """Key/value heads sent around the ring per pass (with their query heads); a divisor of the key/value head count (larger: fewer passes, more memory per pass)."""
     load_in_4bit: bool = False
     """Load the base weights in 4 bit (QLoRA; needs lora.rank > 0)."""
     lora: LoraConfig = LoraConfig()

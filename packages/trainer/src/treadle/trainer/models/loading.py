@@ -1,8 +1,9 @@
 """Loading transformers models and tokenizers the way the ``ds`` / ``actor`` config says.
 
 Resolves the attention kernel (flash-attention where installed on CUDA, else SDPA, unless the
-user named one), the parameter dtype, gradient checkpointing and LoRA adapters (peft). The
-model is returned on the CPU: placing it is DeepSpeed's job (``strategy.deepspeed``).
+user named one; ring attention when ``--ds.ring_attn_size > 1``), the parameter dtype,
+gradient checkpointing and LoRA adapters (peft). The model is returned on the CPU: placing it
+is DeepSpeed's job (``strategy.deepspeed``).
 
 Not here: distributed wiring, optimizers, saving (``checkpoint.export``).
 """
@@ -31,6 +32,20 @@ def attn_implementation(requested: str | None) -> str:
     return requested
 
 
+def ring_attn_implementation(requested: str | None) -> str:
+    """The ring-attention implementation (``ring.attention``), registered with transformers.
+
+    The ring picks its own kernel (ring-flash-attn on CUDA where installed, else PyTorch), so a
+    user-named kernel other than flash_attention_2 (which the ring kernel on CUDA is) is an error.
+    """
+    from treadle.trainer.ring.attention import register  # noqa: PLC0415
+
+    if requested not in (None, "flash_attention_2"):
+        raise ConfigError(f"--ds.attn_implementation {requested} cannot be combined with --ds.ring_attn_size > 1: "
+                          "ring attention brings its own kernel (leave the flag unset)")
+    return register()
+
+
 def load_tokenizer(path: str, *, use_fast: bool = True, chat_template: str | None = None) -> Any:
     """The tokenizer of ``path``, with a pad token (EOS when it has none) and an optional chat template."""
     from transformers import AutoTokenizer  # noqa: PLC0415
@@ -44,7 +59,9 @@ def load_tokenizer(path: str, *, use_fast: bool = True, chat_template: str | Non
 
 
 def _common_kwargs(ds: DeepSpeedConfig) -> dict[str, Any]:
-    kw: dict[str, Any] = {"dtype": DTYPES[ds.param_dtype], "attn_implementation": attn_implementation(ds.attn_implementation)}
+    ring = ds.ring_attn_size > 1
+    attn = (ring_attn_implementation if ring else attn_implementation)(ds.attn_implementation)
+    kw: dict[str, Any] = {"dtype": DTYPES[ds.param_dtype], "attn_implementation": attn}
     if ds.experts_implementation is not None:
         kw["experts_implementation"] = ds.experts_implementation
     if ds.load_in_4bit:

@@ -2,7 +2,8 @@
 
 With ``offload`` its weights live in CPU memory and visit the accelerator only while it
 computes (on a CPU-only machine that is a no-op). It is never wrapped by DeepSpeed: a
-reference that needs ZeRO-3 sharding is not supported yet.
+reference that needs ZeRO-3 sharding is not supported yet. Under ring attention (``ring``)
+it scores the rank's slots of each packed row and gathers the full row's log-probs.
 """
 
 from __future__ import annotations
@@ -11,16 +12,19 @@ import torch
 from torch import Tensor
 
 from treadle.trainer.data.batching import SeqBatch
-from treadle.trainer.ops.logprobs import token_logprobs
+from treadle.trainer.models.actor import forward_logprobs
+from treadle.trainer.ring.group import RingGroup
 
 
 class Reference:
     """A frozen causal LM that scores batches."""
 
-    def __init__(self, module: torch.nn.Module, device: torch.device, *, offload: bool = False) -> None:
+    def __init__(self, module: torch.nn.Module, device: torch.device, *, offload: bool = False,
+                 ring: RingGroup | None = None) -> None:
         self.module = module.eval().requires_grad_(False)
         self.device = device
         self.offload = offload
+        self.ring = ring
         self.module.to("cpu" if offload else device)
 
     @torch.no_grad()
@@ -29,8 +33,7 @@ class Reference:
         if self.offload:
             self.module.to(self.device)
         try:
-            logits = self.module(**batch.model_inputs(), use_cache=False).logits
-            return token_logprobs(logits, batch.input_ids, temperature)
+            return forward_logprobs(self.module, batch, ring=self.ring, temperature=temperature).logprobs
         finally:
             if self.offload:
                 self.module.to("cpu")

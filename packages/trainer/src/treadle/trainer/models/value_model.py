@@ -4,19 +4,24 @@ model and the critic).
 The head is an attribute named by ``--ds.value_head_prefix`` (default ``score``) and the
 backbone is ``model``, so the state dict has exactly the keys of transformers'
 ``XForSequenceClassification`` (``model.*``, ``score.weight``): an exported reward model loads
-with ``AutoModelForSequenceClassification`` when the prefix is ``score``.
+with ``AutoModelForSequenceClassification`` when the prefix is ``score``. ``token_values`` runs it
+(or its DeepSpeed engine) on a batch, sharded over a ring under ring attention.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from treadle.trainer.config.deepspeed import DeepSpeedConfig
+from treadle.trainer.data.batching import SeqBatch
 from treadle.trainer.models.loading import add_lora, load_backbone
+from treadle.trainer.ring.group import RingGroup
+from treadle.trainer.ring.shard import gather_tokens, shard_batch
 
 
 def _saved_head(path: str, prefix: str) -> Tensor | None:
@@ -59,10 +64,12 @@ class ValueModel(nn.Module):
         return getattr(self, self.head_prefix)
 
     def forward(self, input_ids: Tensor, position_ids: Tensor | None = None,
-                attention_mask: Tensor | None = None, **_: object) -> Tensor:
-        """[R, T] fp32 value of each token (computed from the hidden state at that token)."""
+                attention_mask: Tensor | None = None, **kwargs: Any) -> Tensor:
+        """[R, T] fp32 value of each token (computed from the hidden state at that token); other
+        keyword arguments (the ring shard) go to the backbone."""
+        kwargs.pop("use_cache", None)
         hidden = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
-                            use_cache=False).last_hidden_state
+                            use_cache=False, **kwargs).last_hidden_state
         return self.head(hidden).squeeze(-1).float()
 
     @classmethod
@@ -80,3 +87,12 @@ class ValueModel(nn.Module):
             with torch.no_grad():
                 model.head.weight.copy_(saved.reshape_as(model.head.weight))
         return model
+
+
+def token_values(module: Any, batch: SeqBatch, ring: RingGroup | None = None) -> Tensor:
+    """[R, T] fp32 per-token values of ``batch`` from a ``ValueModel`` (or its engine); under ring
+    attention computed on this rank's slots and gathered (differentiably) to the full row."""
+    if ring is None:
+        return module(**batch.model_inputs())
+    shard = shard_batch(batch, ring)
+    return gather_tokens(module(**shard.model_inputs()), shard)

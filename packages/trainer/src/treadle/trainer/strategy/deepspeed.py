@@ -7,6 +7,10 @@ calls ``deepspeed.initialize``. ZeRO stages 0-3, parameter / optimizer offload, 
 fp32, clipping, AutoTP and deepcompile are switches of the same code; the accelerator
 (CUDA + NCCL, or CPU + gloo) comes from DeepSpeed's accelerator detection.
 
+Under ring attention (``ring.group``) the engine still spans every rank: ring peers hold
+partial gradients of the same parameters, and DeepSpeed's all-rank reduction sums them; only
+the batch bookkeeping differs (``train_batch_size`` counts each sample once per ring rank).
+
 Gradient accumulation is driven by the trainer: it marks the accumulation boundary itself and
 scales each micro-batch's loss (``trainers.base``), so the number of micro-batches may vary
 from step to step (dynamic batching) while DeepSpeed still reduces gradients once per step.
@@ -87,12 +91,12 @@ def shutdown_distributed() -> None:
         torch.distributed.destroy_process_group()
 
 
-def all_reduce(values: Sequence[float], device: torch.device, op: str = "sum") -> list[float]:
-    """Element-wise sum (or max) of ``values`` over all ranks, in float64."""
+def all_reduce(values: Sequence[float], device: torch.device, op: str = "sum", group: Any = None) -> list[float]:
+    """Element-wise sum (or max) of ``values`` over all ranks (or those of ``group``), in float64."""
     t = torch.tensor(list(values), dtype=torch.float64, device=device)
-    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size(group) > 1:
         rop = torch.distributed.ReduceOp.SUM if op == "sum" else torch.distributed.ReduceOp.MAX
-        torch.distributed.all_reduce(t, op=rop)
+        torch.distributed.all_reduce(t, op=rop, group=group)
     return t.tolist()
 
 

@@ -11,6 +11,13 @@ A recipe's ``micro_loss`` returns sum-over-its-units / N, so the micro-batch los
 add up to the step's mean; it is multiplied by the world size before ``backward`` because
 DeepSpeed averages gradients over ranks. Any split of the batch gives the same gradient.
 
+Ring attention (``Parts.ring``): the ranks of a ring train on the same samples (their
+data-parallel slot's share), each model forward runs on the rank's slots of the packed row and
+gathers per-token results back (``models.actor``, ``models.value_model``), so every ring rank
+computes the same loss; its backward leaves each rank the gradient part of its own tokens, and
+DeepSpeed's reduction over all ranks, still scaled by the full world size, sums them. Counts
+and metric sums are all-reduced over the data-parallel group only, so each sample counts once.
+
 Recipes subclass ``SupervisedTrainer`` and implement ``unit``, ``micro_loss``, ``eval_sums`` and
 ``export``. A long ``fit`` is the documented exception to short functions: the whole loop is in
 view in one place.
@@ -41,6 +48,7 @@ from treadle.trainer.data.batching import (
 )
 from treadle.trainer.data.order import StepOrder, eval_share
 from treadle.trainer.data.samples import Sample
+from treadle.trainer.ring.group import RingGroup, data_parallel
 from treadle.trainer.strategy.deepspeed import DistInfo, all_reduce
 
 log = get_logger(__name__)
@@ -86,6 +94,8 @@ class Parts:
     metrics: MetricsLogger | None
     loop: LoopConfig
     zero_stage: int
+    ring: RingGroup | None = None
+    """This rank's ring under ring attention (``build.ring_group``); None: off."""
 
 
 class SupervisedTrainer:
@@ -97,6 +107,8 @@ class SupervisedTrainer:
         self.engine = parts.engine
         self.loop = parts.loop
         self.pad_id = parts.tokenizer.pad_token_id or 0
+        self.ring = parts.ring
+        self.dp = data_parallel(parts.dist, parts.ring)
 
     # -- what a recipe implements ------------------------------------------------------------
 
@@ -134,10 +146,10 @@ class SupervisedTrainer:
 
     def train_step(self, epoch: int, step: int) -> dict[str, float]:
         """Forward/backward every micro-batch of this rank's share of the step, then step the optimizer."""
-        samples = [self.p.train_set[i] for i in self.p.order.rank_share(epoch, step, self.dist.rank)]
+        samples = [self.p.train_set[i] for i in self.p.order.rank_share(epoch, step, self.dp.rank)]
         groups = self.groups(samples)
         normaliser, tokens = all_reduce([sum(self.unit(s) for s in samples), sum(s.num_tokens for s in samples)],
-                                        self.dist.device)
+                                        self.dist.device, group=self.dp.group)
         sums: dict[str, float] = defaultdict(float)
         self.engine.train()
         for k, group in enumerate(groups):
@@ -148,7 +160,7 @@ class SupervisedTrainer:
             for name, value in stats.items():
                 sums[name] += float(value)
         names = sorted(sums)
-        reduced = all_reduce([sums[n] for n in names], self.dist.device)
+        reduced = all_reduce([sums[n] for n in names], self.dist.device, group=self.dp.group)
         metrics = {n: v / max(normaliser, 1.0) for n, v in zip(names, reduced, strict=True)}
         grad_norm = self.engine.get_global_grad_norm()
         metrics.update(lr=self.engine.get_lr()[0], tokens=tokens, micro_batches=len(groups))
@@ -158,7 +170,7 @@ class SupervisedTrainer:
 
     def evaluation_pass(self, dataset: Sequence[Sample], fn: Callable[[SeqBatch, Sequence[Sample]], dict[str, Tensor]]) -> dict[str, float]:
         """All-reduced sums of ``fn`` over ``dataset`` split across ranks (no gradients)."""
-        idx, fillers = eval_share(len(dataset), self.dist.world, self.dist.rank)
+        idx, fillers = eval_share(len(dataset), self.dp.world, self.dp.rank)
         samples = [dataset[i] for i in idx]
         sums: dict[str, float] = defaultdict(float)
         self.engine.eval()
@@ -171,7 +183,8 @@ class SupervisedTrainer:
                     sums[name] += float(value)
         self.engine.train()
         names = sorted(sums)
-        return dict(zip(names, all_reduce([sums[n] for n in names], self.dist.device), strict=True))
+        reduced = all_reduce([sums[n] for n in names], self.dist.device, group=self.dp.group)
+        return dict(zip(names, reduced, strict=True))
 
     def evaluate(self) -> dict[str, float]:
         """``eval_<metric>`` means over the evaluation set."""

@@ -24,6 +24,7 @@ from treadle.trainer.data.order import StepOrder
 from treadle.trainer.data.samples import Sample
 from treadle.trainer.data.sources import DataError, Row, load_mixture
 from treadle.trainer.models.loading import load_tokenizer
+from treadle.trainer.ring.group import RingGroup, data_parallel, setup_ring
 from treadle.trainer.strategy.deepspeed import (
     DistInfo,
     build_engine,
@@ -36,10 +37,10 @@ log = get_logger(__name__)
 Tokenise = Callable[[list[Row]], tuple[list[Sample], int]]
 
 
-def _refuse_unavailable(cfg: Any) -> None:
+def _refuse_unavailable(cfg: Any, *, ring_supported: bool) -> None:
     """Flags this trainer does not implement yet are errors, not silently ignored."""
     unavailable = {
-        "--ds.ring_attn_size > 1 (ring attention)": cfg.ds.ring_attn_size > 1,
+        "--ds.ring_attn_size > 1 (ring attention)": cfg.ds.ring_attn_size > 1 and not ring_supported,
         "--ds.use_liger_kernel": cfg.ds.use_liger_kernel,
         "--ds.use_universal_ckpt": cfg.ds.use_universal_ckpt,
         "--ds.enable_sleep": cfg.ds.enable_sleep,
@@ -50,9 +51,13 @@ def _refuse_unavailable(cfg: Any) -> None:
         raise ConfigError(f"{', '.join(used)}: not available in this trainer yet")
 
 
-def start(cfg: Any) -> DistInfo:
-    """Join the process group and seed torch (identically on every rank: heads start equal)."""
-    _refuse_unavailable(cfg)
+def start(cfg: Any, *, ring_supported: bool = False) -> DistInfo:
+    """Join the process group and seed torch (identically on every rank: heads start equal).
+
+    ``ring_supported``: the recipe runs ring attention (``ring_group`` then sets it up); others
+    refuse ``--ds.ring_attn_size > 1``.
+    """
+    _refuse_unavailable(cfg, ring_supported=ring_supported)
     dist = init_distributed(launched_by_deepspeed=cfg.local_rank >= 0)
     if cfg.data.dataloader_num_workers and dist.is_main:
         log.warning("--data.dataloader_num_workers has no effect: samples are tokenised in memory before training")
@@ -60,6 +65,11 @@ def start(cfg: Any) -> DistInfo:
     if cfg.train.full_determinism_enable:
         torch.use_deterministic_algorithms(True, warn_only=True)
     return dist
+
+
+def ring_group(cfg: Any, dist: DistInfo) -> RingGroup | None:
+    """This rank's ring of ``--ds.ring_attn_size`` ranks (collective; None without ring attention)."""
+    return setup_ring(cfg.ds.ring_attn_size, cfg.ds.ring_attn_head_stride, dist)
 
 
 def tokenizer_and_formatter(cfg: Any) -> tuple[Any, Formatter]:
@@ -87,11 +97,17 @@ def datasets(cfg: Any, tokenise: Tokenise, dist: DistInfo) -> tuple[list[Sample]
     return train, evaluation
 
 
-def engine(model: torch.nn.Module, cfg: Any, dist: DistInfo, num_samples: int) -> tuple[Any, StepOrder]:
-    """(DeepSpeed engine, sample order) for ``model`` trained on ``num_samples`` samples."""
+def engine(model: torch.nn.Module, cfg: Any, dist: DistInfo, num_samples: int,
+           ring: RingGroup | None = None) -> tuple[Any, StepOrder]:
+    """(DeepSpeed engine, sample order) for ``model`` trained on ``num_samples`` samples.
+
+    Samples are shared among the data-parallel slots (a ring's ranks share theirs); the engine
+    spans every rank (``ring.group`` says why).
+    """
     train = cfg.train
-    order = StepOrder(num_samples=num_samples, batch_size=train.batch_size, world=dist.world, seed=train.seed)
-    gas = grad_accum_steps(train.batch_size, train.micro_batch_size, dist.world)
+    dp = data_parallel(dist, ring)
+    order = StepOrder(num_samples=num_samples, batch_size=train.batch_size, world=dp.world, seed=train.seed)
+    gas = grad_accum_steps(train.batch_size, train.micro_batch_size, dp.world)
     total = order.steps_per_epoch * train.max_epochs
     eng = build_engine(model, cfg.ds, cfg, micro_batch=train.micro_batch_size, grad_accum=gas, world=dist.world,
                        total_steps=total)

@@ -36,7 +36,7 @@ class KTOTrainer(SupervisedTrainer):
     def __init__(self, parts: Parts, ref: RefLogps, *, beta: float, desirable_weight: float,
                  undesirable_weight: float) -> None:
         super().__init__(parts)
-        self.actor = Actor(self.engine)
+        self.actor = Actor(self.engine, ring=parts.ring)
         self.ref = ref
         self.beta, self.w_d, self.w_u = beta, desirable_weight, undesirable_weight
 
@@ -48,7 +48,8 @@ class KTOTrainer(SupervisedTrainer):
         policy = sequence_sums(logprobs, batch.target_mask, batch.seq_index, batch.num_seqs)
         ref = self.ref.for_batch(batch, split)
         gap = (policy[1::2] - ref[1::2]).detach().float()
-        total, count = all_reduce([float((gap * weight).sum()), float(weight.sum())], self.dist.device)
+        total, count = all_reduce([float((gap * weight).sum()), float(weight.sum())], self.dist.device,
+                                  group=self.dp.group)
         kl = torch.tensor(max(total / max(count, 1e-12), 0.0), device=policy.device)
         desirable = torch.tensor([s.desirable for s in group], device=policy.device)
         losses = kto_loss(policy[0::2], ref[0::2], desirable, kl, self.beta, self.w_d, self.w_u)
@@ -70,20 +71,21 @@ class KTOTrainer(SupervisedTrainer):
 
 def build_trainer(cfg: KTOConfig) -> KTOTrainer:
     data = cfg.data
-    dist = build.start(cfg)
+    dist = build.start(cfg, ring_supported=True)
+    ring = build.ring_group(cfg, dist)
     tok, fmt = build.tokenizer_and_formatter(cfg)
     train, evaluation = build.datasets(cfg, lambda rows: kto_samples(
         rows, fmt, input_key=data.input_key, output_key=data.output_key, label_key=data.label_key,
         max_len=data.max_len), dist)
     ref = build_reference(cfg.ref, cfg.actor.model_name_or_path, cfg.ds, dist, {"train": train, "eval": evaluation},
-                          local_batches_of(cfg, tok.pad_token_id or 0))
+                          local_batches_of(cfg, tok.pad_token_id or 0), ring=ring)
     model = load_causal_lm(cfg.actor.model_name_or_path, cfg.ds, trainable=True,
                            gradient_checkpointing=cfg.actor.gradient_checkpointing_enable,
                            reentrant=cfg.actor.gradient_checkpointing_reentrant)
-    engine, order = build.engine(model, cfg, dist, len(train))
+    engine, order = build.engine(model, cfg, dist, len(train), ring)
     parts = Parts(dist=dist, engine=engine, tokenizer=tok, train_set=train, eval_set=evaluation, order=order,
                   checkpointer=build.checkpointer(cfg, dist), metrics=build.metrics_logger(cfg, dist, "kto"),
-                  loop=build.loop_config(cfg, "eval_loss"), zero_stage=cfg.ds.zero_stage)
+                  loop=build.loop_config(cfg, "eval_loss"), zero_stage=cfg.ds.zero_stage, ring=ring)
     a = cfg.actor
     return KTOTrainer(parts, ref, beta=a.beta, desirable_weight=a.desirable_weight, undesirable_weight=a.undesirable_weight)
 

@@ -2,9 +2,10 @@
 
 ``RefLogps.for_batch(batch, split)`` gives ``[S]`` summed reference log-probs of a micro-batch's
 target tokens, one per sequence. On the fly it runs the frozen ``Reference``; with
-``--ref.precompute_enable`` every sample of both splits is scored once before training (rank r
-scores samples r, r + W, ...; an all-reduce assembles the table on every rank) and the
-reference model is freed.
+``--ref.precompute_enable`` every sample of both splits is scored once before training (data-
+parallel slot r scores samples r, r + W, ...; an all-reduce over the data-parallel group
+assembles the table on every rank) and the reference model is freed. Under ring attention the
+reference scores on the ring like the policy (``models.reference``).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from treadle.trainer.data.samples import Sample
 from treadle.trainer.models.loading import load_causal_lm
 from treadle.trainer.models.reference import Reference
 from treadle.trainer.ops.logprobs import sequence_sums
+from treadle.trainer.ring.group import RingGroup, data_parallel
 from treadle.trainer.strategy.deepspeed import DistInfo
 
 Batches = Callable[[Sequence[Sample]], list[tuple[list[Sample], SeqBatch]]]
@@ -51,28 +53,29 @@ class RefLogps:
     @staticmethod
     def precompute(ref: Reference, splits: dict[str, Sequence[Sample]], dist: DistInfo, batches: Batches) -> RefLogps:
         """Score every sample of ``splits`` once; ``batches(samples)`` gives (group, CPU SeqBatch) pairs."""
+        dp = data_parallel(dist, ref.ring)
         tables = {}
         for name, samples in splits.items():
             if not samples:
                 continue
             per = len(samples[0].seqs)
             table = torch.zeros(len(samples), per, dtype=torch.float64, device=dist.device)
-            idx, fillers = eval_share(len(samples), dist.world, dist.rank)
+            idx, fillers = eval_share(len(samples), dp.world, dp.rank)
             mine = idx[: len(idx) - fillers]
             for group, batch in batches([samples[i] for i in mine]):
                 sums = reference_sums(ref, batch.to(dist.device)).reshape(len(group), per)
                 table[[s.index for s in group]] = sums.double()
-            if torch.distributed.is_initialized() and dist.world > 1:
-                torch.distributed.all_reduce(table)
+            if torch.distributed.is_initialized() and dp.world > 1:
+                torch.distributed.all_reduce(table, group=dp.group)
             tables[name] = table.float()
         return RefLogps(None, tables)
 
 
 def build_reference(ref_cfg: FrozenRefConfig, policy_path: str, ds: DeepSpeedConfig, dist: DistInfo,
-                    splits: dict[str, Sequence[Sample]], batches: Batches) -> RefLogps:
+                    splits: dict[str, Sequence[Sample]], batches: Batches, ring: RingGroup | None = None) -> RefLogps:
     """The reference scorer of a DPO / KTO run: the frozen model, or a table it precomputed."""
     module = load_causal_lm(ref_cfg.model_name_or_path or policy_path, ds, trainable=False)
-    ref = Reference(module, dist.device, offload=ref_cfg.offload)
+    ref = Reference(module, dist.device, offload=ref_cfg.offload, ring=ring)
     if not ref_cfg.precompute_enable:
         return RefLogps(ref)
     table = RefLogps.precompute(ref, splits, dist, batches)

@@ -23,6 +23,7 @@ from treadle.trainer.data.formatting import pair_samples
 from treadle.trainer.data.samples import Sample
 from treadle.trainer.losses.rm import RM_LOSSES, pair_accuracy
 from treadle.trainer.models.reward_model import RewardModel
+from treadle.trainer.models.value_model import token_values
 from treadle.trainer.trainers import build
 from treadle.trainer.trainers.base import Parts, SupervisedTrainer
 
@@ -41,7 +42,7 @@ class RMTrainer(SupervisedTrainer):
         return 1.0
 
     def _scores(self, batch: SeqBatch) -> tuple[Tensor, Tensor]:
-        scores = RewardModel.scores(self.engine(**batch.model_inputs()), batch)
+        scores = RewardModel.scores(token_values(self.engine, batch, self.ring), batch)
         return scores[0::2], scores[1::2]
 
     def _per_pair(self, batch: SeqBatch, group: Sequence[Sample]) -> tuple[Tensor, Tensor, Tensor]:
@@ -62,7 +63,7 @@ class RMTrainer(SupervisedTrainer):
                 "reward_gap": ((chosen - rejected) * w).sum(), "_n": w.sum()}
 
     def _score_moments(self, batch: SeqBatch, group: Sequence[Sample]) -> dict[str, Tensor]:
-        scores = RewardModel.scores(self.engine(**batch.model_inputs()), batch)
+        scores = RewardModel.scores(token_values(self.engine, batch, self.ring), batch)
         w = batch.sample_weight.repeat_interleave(2)
         return {"n": w.sum(), "s": (scores * w).sum(), "s2": (scores.square() * w).sum()}
 
@@ -82,7 +83,8 @@ class RMTrainer(SupervisedTrainer):
 
 def build_trainer(cfg: RMConfig) -> RMTrainer:
     data = cfg.data
-    dist = build.start(cfg)
+    dist = build.start(cfg, ring_supported=True)
+    ring = build.ring_group(cfg, dist)
     tok, fmt = build.tokenizer_and_formatter(cfg)
     margin_key = data.margin_key if cfg.actor.margin_loss_enable else None
     train, evaluation = build.datasets(cfg, lambda rows: pair_samples(
@@ -91,10 +93,10 @@ def build_trainer(cfg: RMConfig) -> RMTrainer:
     model = RewardModel.from_pretrained(cfg.actor.model_name_or_path, cfg.ds,
                                         gradient_checkpointing=cfg.actor.gradient_checkpointing_enable,
                                         reentrant=cfg.actor.gradient_checkpointing_reentrant)
-    engine, order = build.engine(model, cfg, dist, len(train))
+    engine, order = build.engine(model, cfg, dist, len(train), ring)
     parts = Parts(dist=dist, engine=engine, tokenizer=tok, train_set=train, eval_set=evaluation, order=order,
                   checkpointer=build.checkpointer(cfg, dist), metrics=build.metrics_logger(cfg, dist, "rm"),
-                  loop=build.loop_config(cfg, "eval_loss"), zero_stage=cfg.ds.zero_stage)
+                  loop=build.loop_config(cfg, "eval_loss"), zero_stage=cfg.ds.zero_stage, ring=ring)
     return RMTrainer(parts, loss_type=cfg.actor.loss_type, margin=cfg.actor.margin_loss_enable)
 
 

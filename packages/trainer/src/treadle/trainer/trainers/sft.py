@@ -45,7 +45,7 @@ class SFTTrainer(SupervisedTrainer):
 
     def __init__(self, parts: Parts) -> None:
         super().__init__(parts)
-        self.actor = Actor(self.engine)
+        self.actor = Actor(self.engine, ring=parts.ring)
 
     def unit(self, sample: Sample) -> float:
         return sample.num_targets
@@ -71,7 +71,8 @@ def build_trainer(cfg: SFTConfig) -> SFTTrainer:
     if data.output_key is None and not data.apply_chat_template and not cfg.actor.pretrain_mode_enable:
         raise ConfigError("nothing to learn: set --data.output_key, --data.apply_chat_template "
                           "(conversations) or --actor.pretrain_mode_enable")
-    dist = build.start(cfg)
+    dist = build.start(cfg, ring_supported=True)
+    ring = build.ring_group(cfg, dist)
     tok, fmt = build.tokenizer_and_formatter(cfg)
     train, evaluation = build.datasets(cfg, lambda rows: sft_samples(
         rows, fmt, input_key=data.input_key, output_key=data.output_key, multiturn=data.multiturn,
@@ -79,10 +80,10 @@ def build_trainer(cfg: SFTConfig) -> SFTTrainer:
     model = load_causal_lm(cfg.actor.model_name_or_path, cfg.ds, trainable=True,
                            gradient_checkpointing=cfg.actor.gradient_checkpointing_enable,
                            reentrant=cfg.actor.gradient_checkpointing_reentrant)
-    engine, order = build.engine(model, cfg, dist, len(train))
+    engine, order = build.engine(model, cfg, dist, len(train), ring)
     parts = Parts(dist=dist, engine=engine, tokenizer=tok, train_set=train, eval_set=evaluation, order=order,
                   checkpointer=build.checkpointer(cfg, dist), metrics=build.metrics_logger(cfg, dist, "sft"),
-                  loop=build.loop_config(cfg, "eval_loss"), zero_stage=cfg.ds.zero_stage)
+                  loop=build.loop_config(cfg, "eval_loss"), zero_stage=cfg.ds.zero_stage, ring=ring)
     return SFTTrainer(parts)
 
 
