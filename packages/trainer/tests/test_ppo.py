@@ -217,11 +217,21 @@ def test_variants_run_and_log(variant, tiny, task, daemon, helpers, tmp_path):
 
 
 @pytest.mark.slow
-def test_two_ranks_zero3(tiny, task, daemon, helpers, tmp_path):
-    args = ppo_args(tiny, task, tmp_path, daemon, "--algo.kl.init_coef", "0.01", "--data.max_samples", "12",
-                    "--actor.num_gpus_per_node", "2", "--train.micro_batch_size", "8", "--rollout.micro_batch_size", "8")
-    helpers.torchrun(["-m", "treadle.trainer.cli", *args], nproc=2)
-    rows = metrics(tmp_path)
-    assert [r["step"] for r in rows] == [1, 2, 3]
-    assert rows[0]["kl"] == 0.0 and all(r["logprob_gap/max"] <= 1e-3 for r in rows)
-    assert (tmp_path / "model" / "model.safetensors").is_file()
+def test_two_ranks_zero3_data_parallel_and_ring(tiny, task, daemon, helpers, tmp_path):
+    """2 data-parallel ranks, then 1 x a ring of 2: the same first step (same seeded samples, the
+    same normalised loss), ZeRO-3 both."""
+    runs = {}
+    for name, extra in (("dp", []), ("ring", ["--ds.ring_attn_size", "2"])):
+        out = tmp_path / name
+        args = ppo_args(tiny, task, out, daemon, "--algo.kl.init_coef", "0.01", "--data.max_samples", "12",
+                        "--actor.num_gpus_per_node", "2", "--train.micro_batch_size", "8",
+                        "--rollout.micro_batch_size", "8", "--ds.packing_samples", *extra)
+        helpers.torchrun(["-m", "treadle.trainer.cli", *args], nproc=2)
+        rows = runs[name] = metrics(out)
+        assert [r["step"] for r in rows] == [1, 2, 3]
+        assert rows[0]["kl"] == 0.0 and all(r["logprob_gap/max"] <= 1e-3 for r in rows)
+        assert (out / "model" / "model.safetensors").is_file()
+    dp, ring = runs["dp"][0], runs["ring"][0]
+    assert dp["reward/mean"] == ring["reward/mean"]
+    for key in ("actor/policy_loss", "actor/grad_norm", "entropy"):
+        assert abs(dp[key] - ring[key]) <= 1e-4 * max(1.0, abs(dp[key])), (key, dp[key], ring[key])

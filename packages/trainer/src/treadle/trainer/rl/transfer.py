@@ -76,19 +76,21 @@ def share_of(count: int, world: int, rank: int) -> list[int]:
     return list(range(start, start + per + (rank < extra)))
 
 
-def all_gather_arrays(exps: Sequence[Experience], names: Sequence[str], device: torch.device) -> None:
-    """Every rank computed ``names`` for its ``share_of`` the experiences; afterwards all have all."""
-    world = _world()
+def all_gather_arrays(exps: Sequence[Experience], names: Sequence[str], device: torch.device, *,
+                      rank: int | None = None, world: int | None = None, group: object = None) -> None:
+    """Every data-parallel rank computed ``names`` for its ``share_of`` the experiences; afterwards
+    all have all (``rank``/``world``/``group``: the data-parallel ones; default every rank)."""
+    world = _world() if world is None else world
     if world == 1 or not names:
         return
-    rank = torch.distributed.get_rank()
+    rank = torch.distributed.get_rank() if rank is None else rank
     mine = share_of(len(exps), world, rank)
     flat = np.concatenate([exps[i].arrays[n] for i in mine for n in names] or [np.zeros(0, np.float32)])
     longest = max(sum(exps[i].num_actions for i in share_of(len(exps), world, r)) * len(names) for r in range(world))
     send = torch.zeros(max(longest, 1), dtype=torch.float32, device=device)
     send[: flat.shape[0]] = torch.from_numpy(flat.astype(np.float32))
     parts = [torch.empty_like(send) for _ in range(world)]
-    torch.distributed.all_gather(parts, send)
+    torch.distributed.all_gather(parts, send, group=group)
     for r, part in enumerate(parts):
         values, at = part.cpu().numpy(), 0
         for i in share_of(len(exps), world, r):

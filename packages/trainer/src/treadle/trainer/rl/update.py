@@ -5,10 +5,12 @@ Every function here runs on every trainer rank with that rank's share of the exp
 ZeRO-3 each forward gathers parameters collectively, so all ranks run the same number of
 micro-batches (``micro_groups`` equalises them, as the supervised loop does).
 
-Normalisation (STYLE.md habit 3): before an optimizer step ranks all-reduce the step's units of
-the loss aggregation (tokens, or sequences); each micro-batch contributes ``total / units`` and is
-multiplied by the world size before ``backward`` (DeepSpeed averages gradients over ranks), so
-the gradient is the same however the step is split into micro-batches and ranks.
+Normalisation (STYLE.md habit 3): before an optimizer step the data-parallel ranks all-reduce the
+step's units of the loss aggregation (tokens, or sequences); each micro-batch contributes
+``total / units`` and is multiplied by the world size before ``backward`` (DeepSpeed averages
+gradients over all ranks), so the gradient is the same however the step is split into
+micro-batches and ranks. Under ring attention the ranks of a ring hold the same experiences and
+compute the same (gathered) loss; their partial gradients add up in DeepSpeed's reduction.
 
 Not here: the math (``rl.policy_loss``, ``rl.kl``), the loop (``trainers.ppo``).
 """
@@ -25,6 +27,7 @@ from torch import Tensor
 
 from treadle.trainer.data.batching import by_count, by_tokens, split_to
 from treadle.trainer.models.actor import Actor
+from treadle.trainer.models.value_model import token_values
 from treadle.trainer.rl.experience import ActionBatch, Experience, as_sample, collate
 from treadle.trainer.rl.kl import KL_ESTIMATORS
 from treadle.trainer.rl.policy_loss import AGGREGATIONS, POLICY_LOSSES, value_loss
@@ -45,6 +48,10 @@ class Batching:
     """Padding token."""
     device: torch.device
     """Where the models compute."""
+    ring: Any = None
+    """This rank's ring (``treadle.trainer.ring``) under ring attention; None: whole sequences."""
+    dp_group: Any = None
+    """The data-parallel group that sums losses and metrics (None: every rank)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -94,14 +101,14 @@ def score(exps: Sequence[Experience], b: Batching, *, actor: Any | None, referen
         group = [exps[i] for i in idx]
         ab = collate(group, packing=b.packing, pad_id=b.pad_id, device=b.device)
         if actor is not None:
-            out = Actor(actor)(ab.batch, temperature=temperature, with_entropy=True)
+            out = Actor(actor, ring=b.ring)(ab.batch, temperature=temperature, with_entropy=True)
             _store(group, "old_logp", ab.actions(out.logprobs), ab)
             sums["entropy"] += float(ab.actions(out.entropy).sum())
             sums["tokens"] += float(ab.mask.sum())
         if reference is not None:
             _store(group, "ref_logp", ab.actions(reference.logprobs(ab.batch, temperature=temperature)), ab)
         if critic is not None:
-            _store(group, "values", ab.actions(_shift(critic(**ab.batch.model_inputs()))), ab)
+            _store(group, "values", ab.actions(_shift(token_values(critic, ab.batch, b.ring))), ab)
     return dict(sums)
 
 
@@ -111,10 +118,10 @@ def _store(group: Sequence[Experience], name: str, values: Tensor, ab: ActionBat
         e.arrays[name] = v[k, : e.num_actions].copy()
 
 
-def _units(exps: Sequence[Experience], aggregation: str, device: torch.device) -> float:
+def _units(exps: Sequence[Experience], aggregation: str, b: Batching) -> float:
     agg = AGGREGATIONS[aggregation]
     mine = sum(agg.units(torch.ones(1, e.num_actions, dtype=torch.bool)) for e in exps)
-    return max(all_reduce([mine], device)[0], 1.0)
+    return max(all_reduce([mine], b.device, group=b.dp_group)[0], 1.0)
 
 
 def actor_step(engine: Any, exps: Sequence[Experience], b: Batching, loss: PolicyLoss, world: int) -> dict[str, float]:
@@ -127,13 +134,14 @@ def actor_step(engine: Any, exps: Sequence[Experience], b: Batching, loss: Polic
     names = ["advantages", "is_weights", "rollout_logp"] + ([] if on_policy else ["old_logp"]) \
         + (["ref_logp"] if loss.kl_coef > 0 else [])
     agg = AGGREGATIONS[loss.aggregation]
-    units = _units(exps, loss.aggregation, b.device)
+    units = _units(exps, loss.aggregation, b)
     groups = micro_groups(exps, b)
     sums: dict[str, float] = defaultdict(float)
     engine.train()
     for k, idx in enumerate(groups):
         ab = collate([exps[i] for i in idx], packing=b.packing, pad_id=b.pad_id, names=names, device=b.device)
-        out = Actor(engine)(ab.batch, temperature=loss.temperature, with_entropy=loss.entropy_coef is not None)
+        out = Actor(engine, ring=b.ring)(ab.batch, temperature=loss.temperature,
+                                         with_entropy=loss.entropy_coef is not None)
         logp, m = ab.actions(out.logprobs), ab.mask
         old = logp.detach() if on_policy else ab.arrays["old_logp"]
         gap = ((old - ab.arrays["rollout_logp"]).abs() * m)
@@ -161,9 +169,9 @@ def actor_step(engine: Any, exps: Sequence[Experience], b: Batching, loss: Polic
         sums["clip_frac"] += float(agg.total(terms.clipped.float(), m))
         sums["ratio"] += float(agg.total(terms.ratio.detach() * m, m))
     gap_max = all_reduce([sums.pop("_gap_max")], b.device, op="max")[0]
-    gap_sum, actions = all_reduce([sums.pop("_gap_sum"), sums.pop("_actions")], b.device)
+    gap_sum, actions = all_reduce([sums.pop("_gap_sum"), sums.pop("_actions")], b.device, group=b.dp_group)
     keys = sorted(sums)
-    reduced = all_reduce([sums[key] for key in keys], b.device)
+    reduced = all_reduce([sums[key] for key in keys], b.device, group=b.dp_group)
     metrics = {f"actor/{key}": v / units for key, v in zip(keys, reduced, strict=True)}
     metrics.update({"actor/logprob_gap_mean": gap_sum / max(actions, 1.0), "actor/logprob_gap_max": gap_max})
     metrics["actor/lr"] = engine.get_lr()[0]
@@ -180,21 +188,22 @@ def _dual(loss: PolicyLoss) -> dict[str, Any]:
 def critic_step(engine: Any, exps: Sequence[Experience], b: Batching, *, clip: float | None, world: int) -> dict[str, float]:
     """One optimizer step of the critic (clipped value loss, token mean over the step)."""
     agg = AGGREGATIONS["token-mean"]
-    units = _units(exps, "token-mean", b.device)
+    units = _units(exps, "token-mean", b)
     groups = micro_groups(exps, b)
     total = 0.0
     engine.train()
     for k, idx in enumerate(groups):
         ab = collate([exps[i] for i in idx], packing=b.packing, pad_id=b.pad_id, names=["values", "returns"],
                       device=b.device)
-        values = ab.actions(_shift(engine(**ab.batch.model_inputs())))
+        values = ab.actions(_shift(token_values(engine, ab.batch, b.ring)))
         per_token = value_loss(values, ab.arrays["values"], ab.arrays["returns"], ab.mask, clip=clip)
         step_loss = agg.total(per_token, ab.mask) / units
         engine.set_gradient_accumulation_boundary(k == len(groups) - 1)
         engine.backward(step_loss * world, scale_wrt_gas=False)
         engine.step()
         total += float(agg.total(per_token.detach(), ab.mask))
-    metrics = {"critic/loss": all_reduce([total], b.device)[0] / units, "critic/lr": engine.get_lr()[0]}
+    metrics = {"critic/loss": all_reduce([total], b.device, group=b.dp_group)[0] / units,
+               "critic/lr": engine.get_lr()[0]}
     norm = engine.get_global_grad_norm()
     if norm is not None:
         metrics["critic/grad_norm"] = float(norm)

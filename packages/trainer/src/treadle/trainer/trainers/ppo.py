@@ -61,12 +61,12 @@ class PPOTrainer:
         self.batching = Batching(micro_batch=cfg.train.micro_batch_size,
                                  token_budget=cfg.train.max_tokens_per_gpu if cfg.train.dynamic_batch_enable else None,
                                  packing=cfg.ds.packing_samples, pad_id=parts.tokenizer.pad_token_id or 0,
-                                 device=self.dist.device)
+                                 device=self.dist.device, ring=parts.ring, dp_group=parts.dp.group)
         self.score_batching = Batching(micro_batch=cfg.rollout.micro_batch_size,
                                        token_budget=(cfg.rollout.max_tokens_per_gpu or cfg.train.max_tokens_per_gpu)
                                        if cfg.train.dynamic_batch_enable else None,
                                        packing=cfg.ds.packing_samples, pad_id=self.batching.pad_id,
-                                       device=self.dist.device)
+                                       device=self.dist.device, ring=parts.ring, dp_group=parts.dp.group)
         self.version = 0
         self.pending: collections.deque[Group] = collections.deque()
         self.stream: PromptStream | None = None
@@ -185,16 +185,17 @@ class PPOTrainer:
         for e in exps:
             e.reward = float(e.traj.reward or 0.0)
             e.staleness = self.version - e.traj.min_policy_version
-        mine = [exps[i] for i in share_of(len(exps), self.dist.world, self.dist.rank)]
+        dp = self.p.dp
+        mine = [exps[i] for i in share_of(len(exps), dp.world, dp.rank)]
         policy = self.p.actor if self.needs_old_logp else None
         sums = score(mine, self.score_batching, actor=policy, reference=self.p.reference,
                      critic=self.p.critic, temperature=self.cfg.rollout.temperature)
         names = (["old_logp"] if policy is not None else []) + (["ref_logp"] if self.p.reference is not None else []) \
             + (["values"] if self.p.critic is not None else [])
-        all_gather_arrays(exps, names, self.dist.device)
+        all_gather_arrays(exps, names, self.dist.device, rank=dp.rank, world=dp.world, group=dp.group)
         if self.p.reward_model is not None:
             self._score_with_reward_model(exps)
-        ent, tokens = all_reduce([sums.get("entropy", 0.0), sums.get("tokens", 0.0)], self.dist.device)
+        ent, tokens = all_reduce([sums.get("entropy", 0.0), sums.get("tokens", 0.0)], self.dist.device, group=dp.group)
         metrics = finalize(exps, self.returns_config())
         staleness = np.array([e.staleness for e in exps])
         if tokens:
@@ -206,6 +207,7 @@ class PPOTrainer:
 
     @torch.no_grad()
     def _score_with_reward_model(self, exps: list[Experience]) -> None:
+        from treadle.trainer.models.value_model import token_values  # noqa: PLC0415
         from treadle.trainer.rl.experience import collate  # noqa: PLC0415
 
         rm = self.p.reward_model
@@ -216,7 +218,7 @@ class PPOTrainer:
         for lo in range(0, len(exps), self.score_batching.micro_batch):
             group = exps[lo:lo + self.score_batching.micro_batch]
             ab = collate(group, packing=self.batching.packing, pad_id=self.batching.pad_id, device=self.dist.device)
-            scores = rm.scores(rm(**ab.batch.model_inputs()), ab.batch).float().cpu().tolist()
+            scores = rm.scores(token_values(rm, ab.batch, self.p.ring), ab.batch).float().cpu().tolist()
             for e, value in zip(group, scores, strict=True):
                 e.reward = (value - mean) / std
 
@@ -231,7 +233,7 @@ class PPOTrainer:
             order = np.random.default_rng([cfg.train.seed, step, epoch]).permutation(len(exps))
             for k in range(len(exps) // size):
                 batch = order[k * size:(k + 1) * size]
-                mine = [exps[int(batch[i])] for i in share_of(size, self.dist.world, self.dist.rank)]
+                mine = [exps[int(batch[i])] for i in share_of(size, self.p.dp.world, self.p.dp.rank)]
                 if self.p.critic is not None:
                     for name, v in critic_step(self.p.critic, mine, self.batching, clip=cfg.critic.value_clip,
                                                world=self.dist.world).items():

@@ -40,6 +40,8 @@ class PPOParts:
     tokenizer: Any
     prompts: list[Prompt]
     eval_prompts: list[Prompt]
+    ring: Any  # this rank's RingGroup under ring attention, else None
+    dp: Any  # the data-parallel view (rank, world, group)
     actor: Any  # DeepSpeed engine
     critic: Any | None  # DeepSpeed engine (gae only)
     reference: Reference | None
@@ -96,13 +98,13 @@ def opt_steps_per_rl_step(cfg: PPOConfig) -> int:
     return samples // cfg.train.batch_size
 
 
-def engines(cfg: PPOConfig, dist: DistInfo, total_opt_steps: int) -> tuple[Any, Any | None]:
+def engines(cfg: PPOConfig, dist: DistInfo, dp_world: int, total_opt_steps: int) -> tuple[Any, Any | None]:
     """(actor engine, critic engine or None)."""
     from treadle.trainer.models.critic import Critic  # noqa: PLC0415
     from treadle.trainer.strategy.deepspeed import grad_accum_steps  # noqa: PLC0415
 
     train = cfg.train
-    gas = grad_accum_steps(train.batch_size, train.micro_batch_size, dist.world)
+    gas = grad_accum_steps(train.batch_size, train.micro_batch_size, dp_world)
     kw = {"micro_batch": train.micro_batch_size, "grad_accum": gas, "world": dist.world, "total_steps": total_opt_steps}
     actor = load_causal_lm(cfg.actor.model_name_or_path, cfg.ds, trainable=True,
                            gradient_checkpointing=cfg.actor.gradient_checkpointing_enable,
@@ -116,14 +118,15 @@ def engines(cfg: PPOConfig, dist: DistInfo, total_opt_steps: int) -> tuple[Any, 
     return actor_engine, critic_engine
 
 
-def frozen_models(cfg: PPOConfig, dist: DistInfo) -> tuple[Reference | None, Any | None]:
+def frozen_models(cfg: PPOConfig, dist: DistInfo, ring: Any) -> tuple[Reference | None, Any | None]:
     """(reference or None, reward model or None), frozen, on this rank's device."""
     from treadle.trainer.models.reward_model import RewardModel  # noqa: PLC0415
 
     reference = None
     if cfg.uses_reference or cfg.algo.kl.use_loss:
         path = cfg.ref.model_name_or_path or cfg.actor.model_name_or_path
-        reference = Reference(load_causal_lm(path, cfg.ds, trainable=False), dist.device, offload=cfg.ref.offload)
+        reference = Reference(load_causal_lm(path, cfg.ds, trainable=False), dist.device, offload=cfg.ref.offload,
+                              ring=ring)
     reward_model = None
     if cfg.reward.model_paths:
         if len(cfg.reward.model_paths) > 1:
@@ -221,15 +224,20 @@ def build_parts(cfg: PPOConfig) -> PPOParts:
     if cfg.train.colocate_all and cfg.train.async_enable:
         raise ConfigError("--train.colocate_all with --train.async_enable: colocated engines cannot generate "
                           "while the trainer trains; pick one")
-    dist = build.start(cfg)
+    from treadle.trainer.ring.group import data_parallel  # noqa: PLC0415
+
+    dist = build.start(cfg, ring_supported=True)
+    ring = build.ring_group(cfg, dist)
+    dp = data_parallel(dist, ring)
     tok = load_tokenizer(cfg.actor.model_name_or_path, use_fast=not cfg.data.disable_fast_tokenizer,
                          chat_template=cfg.data.tokenizer_chat_template)
     prompts, eval_prompts = load_prompts(cfg)
     per_step = opt_steps_per_rl_step(cfg)
     rl_steps = len(prompts) * cfg.train.num_episodes // cfg.rollout.batch_size
-    actor, critic = engines(cfg, dist, max(1, rl_steps * per_step * cfg.train.max_epochs))
-    reference, reward_model = frozen_models(cfg, dist)
-    parts = PPOParts(cfg=cfg, dist=dist, tokenizer=tok, prompts=prompts, eval_prompts=eval_prompts, actor=actor,
+    actor, critic = engines(cfg, dist, dp.world, max(1, rl_steps * per_step * cfg.train.max_epochs))
+    reference, reward_model = frozen_models(cfg, dist, ring)
+    parts = PPOParts(cfg=cfg, dist=dist, tokenizer=tok, prompts=prompts, eval_prompts=eval_prompts, ring=ring, dp=dp,
+                     actor=actor,
                      critic=critic, reference=reference, reward_model=reward_model,
                      checkpointer=build.checkpointer(cfg, dist), opt_steps_per_rl_step=per_step, closers=[])
     try:
