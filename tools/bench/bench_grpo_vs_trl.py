@@ -91,7 +91,9 @@ class Args:
     rounds: int = 1
     """Alternations of the sides (--which both), or repeats of the one side."""
     threads: int = 2
-    """torch threads of the in-process TRL run (2: all cores here)."""
+    """torch threads of the in-process TRL run and OMP_NUM_THREADS of treadle's processes (2: all cores here)."""
+    micro_batch: int = 0
+    """treadle's training and scoring micro-batch (samples); 0: the whole step's batch, as TRL runs it."""
     seed: int = 0
     """Data and training seed."""
     treadle_extra: tuple[str, ...] = ()
@@ -144,6 +146,7 @@ def treadle_argv(args: Args, f: Files, out: Path) -> list[str]:
     samples = total_steps(args) * args.prompts_per_step
     episodes = math.ceil(samples / args.num_prompts)
     batch = args.prompts_per_step * args.group_size
+    micro = str(args.micro_batch or batch)
     return [
         str(ROOT / ".venv" / "bin" / "treadle-train"), "ppo",
         "--actor.model_name_or_path", str(f.model),
@@ -152,9 +155,9 @@ def treadle_argv(args: Args, f: Files, out: Path) -> list[str]:
         "--reward.remote_url", str(f.reward),
         "--algo.advantage.estimator", "group_norm", "--algo.kl.init_coef", "0",
         "--rollout.n_samples_per_prompt", str(args.group_size), "--rollout.batch_size", str(args.prompts_per_step),
-        "--rollout.micro_batch_size", str(args.group_size), "--rollout.max_new_tokens", str(args.max_new_tokens),
+        "--rollout.micro_batch_size", micro, "--rollout.max_new_tokens", str(args.max_new_tokens),
         "--rollout.temperature", str(args.temperature),
-        "--train.batch_size", str(batch), "--train.micro_batch_size", str(args.group_size),
+        "--train.batch_size", str(batch), "--train.micro_batch_size", micro,
         "--train.num_episodes", str(episodes), "--train.seed", str(args.seed),
         "--actor.adam.lr", str(args.lr), "--actor.num_gpus_per_node", "1",
         "--vllm.num_engines", "1", "--vllm.backend", "vllm", "--vllm.gpu_memory_utilization", "0.1",
@@ -174,7 +177,7 @@ def run_treadle(args: Args, f: Files, tag: str) -> dict[str, list[float]]:
     log = out / "log.txt"
     env = child_env({"TORCH_EXTENSIONS_DIR": str(ROOT / ".cache" / "torch_extensions"),
                      "VLLM_CACHE_ROOT": str(ROOT / ".cache" / "vllm"), "HF_HOME": str(ROOT / ".cache" / "hf"),
-                     "HF_HUB_OFFLINE": "1", "RAY_AUTH_MODE": "disabled"})
+                     "HF_HUB_OFFLINE": "1", "RAY_AUTH_MODE": "disabled", "OMP_NUM_THREADS": str(args.threads)})
     cmd = treadle_argv(args, f, out)
     print("treadle:", " ".join(cmd), flush=True)
     t0 = time.perf_counter()

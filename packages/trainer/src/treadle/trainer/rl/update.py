@@ -140,8 +140,7 @@ def actor_step(engine: Any, exps: Sequence[Experience], b: Batching, loss: Polic
     engine.train()
     for k, idx in enumerate(groups):
         ab = collate([exps[i] for i in idx], packing=b.packing, pad_id=b.pad_id, names=names, device=b.device)
-        out = Actor(engine, ring=b.ring)(ab.batch, temperature=loss.temperature,
-                                         with_entropy=loss.entropy_coef is not None)
+        out = Actor(engine, ring=b.ring)(ab.batch, temperature=loss.temperature, with_entropy=True)
         logp, m = ab.actions(out.logprobs), ab.mask
         old = logp.detach() if on_policy else ab.arrays["old_logp"]
         gap = ((old - ab.arrays["rollout_logp"]).abs() * m)

@@ -343,6 +343,7 @@ class PPOTrainer:
             t_exp = time.perf_counter()
             step = state.global_step + 1
             metrics.update(self.train_on(exps, step))
+            metrics.setdefault("entropy", metrics.get("actor/entropy", float("nan")))
             for k in ("mean", "max"):  # measured in the actor's step when no scoring pass ran
                 if f"actor/logprob_gap_{k}" in metrics:
                     metrics.setdefault(f"logprob_gap/{k}", metrics[f"actor/logprob_gap_{k}"])
