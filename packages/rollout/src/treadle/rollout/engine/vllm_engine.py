@@ -98,7 +98,8 @@ def engine_args(cfg: VllmEngineConfig, on_cpu: bool) -> dict[str, Any]:
         model=cfg.model, dtype=cfg.dtype, seed=cfg.seed, max_model_len=cfg.max_model_len,
         tensor_parallel_size=cfg.tensor_parallel_size, pipeline_parallel_size=cfg.pipeline_parallel_size,
         gpu_memory_utilization=cfg.gpu_memory_utilization, kv_cache_memory_bytes=kv,
-        enforce_eager=cfg.enforce_eager, enable_sleep_mode=cfg.enable_sleep_mode,
+        enforce_eager=cfg.enforce_eager,
+        enable_sleep_mode=cfg.enable_sleep_mode and not on_cpu,  # the CPU build refuses it; sleep pauses there
         enable_prefix_caching=cfg.enable_prefix_caching, max_num_seqs=cfg.max_num_seqs,
         max_num_batched_tokens=batched, enable_chunked_prefill=chunked,
         worker_extension_cls=EXTENSION, logprobs_mode="processed_logprobs",

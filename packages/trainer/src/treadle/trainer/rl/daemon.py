@@ -19,6 +19,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from treadle.common import env
 from treadle.common.config import ConfigError
@@ -54,6 +55,16 @@ class DaemonSpec:
     """Allow real sleep (GPU)."""
     seed: int
     """Engine seed."""
+
+
+def daemon_spec(cfg: Any) -> DaemonSpec:
+    """The daemon a ``PPOConfig`` asks for (its ``--vllm.*``, the actor's weights, the trainer's dtype); pure."""
+    v = cfg.vllm
+    return DaemonSpec(model=cfg.actor.model_name_or_path, engines=v.num_engines, backend=v.backend,
+                      tensor_parallel_size=v.tensor_parallel_size, dtype=DTYPES[cfg.ds.param_dtype],
+                      max_model_len=cfg.max_len, gpu_memory_utilization=v.gpu_memory_utilization,
+                      enable_prefix_caching=v.enable_prefix_caching, enforce_eager=v.enforce_eager,
+                      enable_sleep=v.enable_sleep, seed=cfg.train.seed)
 
 
 def _free_port() -> int:

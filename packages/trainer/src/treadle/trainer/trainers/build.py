@@ -37,13 +37,13 @@ log = get_logger(__name__)
 Tokenise = Callable[[list[Row]], tuple[list[Sample], int]]
 
 
-def _refuse_unavailable(cfg: Any, *, ring_supported: bool) -> None:
+def _refuse_unavailable(cfg: Any, *, ring_supported: bool, sleep_supported: bool = False) -> None:
     """Flags this trainer does not implement yet are errors, not silently ignored."""
     unavailable = {
         "--ds.ring_attn_size > 1 (ring attention)": cfg.ds.ring_attn_size > 1 and not ring_supported,
         "--ds.use_liger_kernel": cfg.ds.use_liger_kernel,
         "--ds.use_universal_ckpt": cfg.ds.use_universal_ckpt,
-        "--ds.enable_sleep": cfg.ds.enable_sleep,
+        "--ds.enable_sleep": cfg.ds.enable_sleep and not sleep_supported,
         "--actor.aux_loss_coef > 0 (MoE load balancing)": cfg.actor.aux_loss_coef > 0,
     }
     used = [flag for flag, on in unavailable.items() if on]
@@ -51,13 +51,13 @@ def _refuse_unavailable(cfg: Any, *, ring_supported: bool) -> None:
         raise ConfigError(f"{', '.join(used)}: not available in this trainer yet")
 
 
-def start(cfg: Any, *, ring_supported: bool = False) -> DistInfo:
+def start(cfg: Any, *, ring_supported: bool = False, sleep_supported: bool = False) -> DistInfo:
     """Join the process group and seed torch (identically on every rank: heads start equal).
 
     ``ring_supported``: the recipe runs ring attention (``ring_group`` then sets it up); others
     refuse ``--ds.ring_attn_size > 1``.
     """
-    _refuse_unavailable(cfg, ring_supported=ring_supported)
+    _refuse_unavailable(cfg, ring_supported=ring_supported, sleep_supported=sleep_supported)
     dist = init_distributed(launched_by_deepspeed=cfg.local_rank >= 0)
     if cfg.data.dataloader_num_workers and dist.is_main:
         log.warning("--data.dataloader_num_workers has no effect: samples are tokenised in memory before training")

@@ -68,6 +68,7 @@ class PPOTrainer:
                                        packing=cfg.ds.packing_samples, pad_id=self.batching.pad_id,
                                        device=self.dist.device, ring=parts.ring, dp_group=parts.dp.group)
         self.version = 0
+        self._offloaded = False
         self.pending: collections.deque[Group] = collections.deque()
         self.stream: PromptStream | None = None
 
@@ -176,6 +177,24 @@ class PPOTrainer:
     def _sleep(self) -> None:
         if self.cfg.vllm.enable_sleep:
             self.p.sync_client.sleep(level=1)
+
+    def _offload_models(self) -> None:
+        """``--ds.enable_sleep``: move the ZeRO-3 engines' states (weights, gradients, optimizer) to
+        host memory while the colocated engines generate; ``_reload_models`` brings them back. On a
+        CPU-only machine everything already lives in host memory: nothing to do."""
+        if self.cfg.ds.enable_sleep and torch.cuda.is_available() and not self._offloaded:
+            for engine in (self.p.actor, self.p.critic):
+                if engine is not None:
+                    engine.offload_states()
+            torch.cuda.empty_cache()
+            self._offloaded = True
+
+    def _reload_models(self) -> None:
+        if self._offloaded:
+            for engine in (self.p.actor, self.p.critic):
+                if engine is not None:
+                    engine.reload_states()
+            self._offloaded = False
 
     # -- every rank: experience and updates ------------------------------------------------------
 
@@ -339,6 +358,7 @@ class PPOTrainer:
             if self._stop_flag(main and not trajs):
                 break
             trajs = broadcast_trajectories(trajs, state.global_step + 1, self.dist.device)
+            self._reload_models()
             exps, metrics = self.experiences(trajs)
             t_exp = time.perf_counter()
             step = state.global_step + 1
@@ -352,6 +372,7 @@ class PPOTrainer:
             if main:
                 self.p.trajlog.mark_step(step, used=[t.uid for t in trajs], dropped=dropped)
             metrics.update(self.sync_weights(self.version + 1))
+            self._offload_models()
             state = TrainState(global_step=step, epoch=state.epoch, best_metric=state.best_metric,
                                best_step=state.best_step)
             t_sync = time.perf_counter()

@@ -23,7 +23,7 @@ from treadle.trainer.config.data import check_mixture, split_list
 from treadle.trainer.data.sources import DataError, Row, load_mixture
 from treadle.trainer.models.loading import load_causal_lm, load_tokenizer
 from treadle.trainer.models.reference import Reference
-from treadle.trainer.rl.daemon import DTYPES, DaemonSpec, OwnedDaemon
+from treadle.trainer.rl.daemon import DTYPES, OwnedDaemon, daemon_spec
 from treadle.trainer.rl.generation import Generator, Prompt
 from treadle.trainer.strategy.deepspeed import DistInfo, build_engine
 from treadle.trainer.trainers import build
@@ -137,15 +137,6 @@ def frozen_models(cfg: PPOConfig, dist: DistInfo, ring: Any) -> tuple[Reference 
     return reference, reward_model
 
 
-def daemon_spec(cfg: PPOConfig) -> DaemonSpec:
-    v = cfg.vllm
-    return DaemonSpec(model=cfg.actor.model_name_or_path, engines=v.num_engines, backend=v.backend,
-                      tensor_parallel_size=v.tensor_parallel_size, dtype=DTYPES[cfg.ds.param_dtype],
-                      max_model_len=cfg.max_len, gpu_memory_utilization=v.gpu_memory_utilization,
-                      enable_prefix_caching=v.enable_prefix_caching, enforce_eager=v.enforce_eager,
-                      enable_sleep=v.enable_sleep, seed=cfg.train.seed)
-
-
 def sampling_of(cfg: PPOConfig, *, temperature: float) -> SamplingParams:
     return SamplingParams(n=1, temperature=temperature, top_p=cfg.rollout.top_p,
                           max_tokens=cfg.rollout.max_new_tokens or cfg.max_len - cfg.data.prompt_max_len,
@@ -226,7 +217,9 @@ def build_parts(cfg: PPOConfig) -> PPOParts:
                           "while the trainer trains; pick one")
     from treadle.trainer.ring.group import data_parallel  # noqa: PLC0415
 
-    dist = build.start(cfg, ring_supported=True)
+    if cfg.ds.enable_sleep and cfg.ds.zero_stage != 3:
+        raise ConfigError(f"--ds.enable_sleep offloads ZeRO-3 states between phases: needs --ds.zero_stage 3, got {cfg.ds.zero_stage}")
+    dist = build.start(cfg, ring_supported=True, sleep_supported=True)
     ring = build.ring_group(cfg, dist)
     dp = data_parallel(dist, ring)
     tok = load_tokenizer(cfg.actor.model_name_or_path, use_fast=not cfg.data.disable_fast_tokenizer,

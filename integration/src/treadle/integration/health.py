@@ -1,0 +1,100 @@
+"""Readiness of a launched daemon, asked through the daemon's own health call.
+
+- rollout: ``RolloutClient.health`` answers, and every engine of the pool is ready;
+- rewards: the reward client's ``health`` answers (the daemon binds only once its scorers run);
+- agents: ``GET /health`` of the gateway answers 200 (it answers 503 until the rollout pool does).
+
+A ``Probe`` makes one short attempt per ``check()`` so the caller can watch processes and
+signals between attempts. Not here: waiting policy, timeouts, teardown (``supervise``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import urllib.error
+import urllib.request
+from typing import Any, Protocol
+
+from treadle.integration.plan import Addresses
+
+ATTEMPT_S = 2.0  # one health call's timeout: short, so Ctrl-C and dead processes are noticed quickly
+
+
+class Probe(Protocol):
+    def check(self) -> bool: ...
+
+    def close(self) -> None: ...
+
+
+class RolloutProbe:
+    """Ready when the rollout daemon answers and all its engines are ready."""
+
+    def __init__(self, endpoint: str) -> None:
+        from treadle.rollout.client import SyncRolloutClient  # noqa: PLC0415
+
+        self._client = SyncRolloutClient(endpoint)
+
+    def check(self) -> bool:
+        from treadle.common.errors import TreadleError  # noqa: PLC0415
+
+        try:
+            h = self._client.health(timeout=ATTEMPT_S)
+        except (TreadleError, TimeoutError):
+            return False
+        return h.get("engines_ready", 0) >= max(len(h.get("engines", ())), 1)
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self._client.close()
+
+
+class RewardsProbe:
+    """Ready when the reward daemon's ZeroMQ endpoint answers ``health``."""
+
+    def __init__(self, endpoint: str) -> None:
+        from treadle.rewards.client import SyncRewardClient  # noqa: PLC0415
+
+        self._client = SyncRewardClient(endpoint, timeout_s=ATTEMPT_S)
+
+    def check(self) -> bool:
+        from treadle.common.errors import TreadleError  # noqa: PLC0415
+
+        try:
+            self._client.health()
+        except (TreadleError, TimeoutError):
+            return False
+        return True
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self._client.close()
+
+
+class HttpProbe:
+    """Ready when ``GET {url}/health`` answers 200."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url.rstrip("/") + "/health"
+
+    def check(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.url, timeout=ATTEMPT_S) as resp:
+                body: Any = json.loads(resp.read() or b"{}")
+                return resp.status == 200 and body.get("status") != "down"
+        except (urllib.error.URLError, OSError, ValueError):
+            return False
+
+    def close(self) -> None:
+        pass
+
+
+def probe_for(name: str, addresses: Addresses) -> Probe:
+    """The readiness probe of daemon ``name`` at its address in ``addresses``."""
+    if name == "rollout":
+        return RolloutProbe(addresses.rollout or "")
+    if name == "rewards":
+        return RewardsProbe(addresses.rewards or "")
+    if name == "agents":
+        return HttpProbe(addresses.agents or "")
+    raise ValueError(f"no health probe for {name!r}")

@@ -1,0 +1,362 @@
+"""What a launch runs: each component's command line, derived from the ``LaunchConfig`` (pure).
+
+``make_plan(cfg)`` checks every section with its component's own typed config (so a bad flag
+fails before anything starts) and fills in what the launcher derives, only for flags the user
+did not give (a user's flag is never rewritten):
+
+- rollout: ``--model --engines --backend --tensor_parallel_size --engine.dtype
+  --engine.max_model_len --engine.seed ...`` from the ppo flags (``--actor.model_name_or_path``,
+  ``--vllm.*``, ``--ds.param_dtype``), exactly as the trainer would start its own daemon;
+- agents: ``--model`` from ``--actor.model_name_or_path``, ``--rollout`` from the rollout daemon;
+- trainer: ``--vllm.endpoint`` (the rollout daemon) and ``--reward.remote_url`` (the reward
+  daemon's ZeroMQ endpoint); giving those yourself next to the section that provides them is an
+  error.
+
+Addresses are the launcher's to choose (free ports, picked where the daemon runs); ``bind``
+turns a daemon's plan plus its ports into its final flags and addresses.
+
+Not here: starting processes or actors (``local``, ``ray_backend``), readiness (``health``).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from treadle.common.config import ConfigError, parse
+from treadle.integration.config import LaunchConfig, flag_name
+
+MODULES = {"rollout": "treadle.rollout.cli", "rewards": "treadle.rewards.cli", "agents": "treadle.agents.cli",
+           "trainer": "treadle.trainer.cli"}
+"""Component -> module whose ``main(argv)`` runs it (the same code as its console script)."""
+EXIT_CODES = {"trainer": 10, "rollout": 11, "rewards": 12, "agents": 13}
+"""Launcher exit status when that component fails (exits non-zero, dies, or never gets ready)."""
+EXIT_INTERRUPTED = 130
+"""Launcher exit status after Ctrl-C / SIGTERM."""
+EXIT_LAUNCH_ERROR = 1
+"""Launcher exit status when the launcher itself fails (placement, ports, ...)."""
+_PLACEHOLDER = "tcp://127.0.0.1:1"  # stands in for an address while checking flags
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Addresses:
+    """Where the launched daemons listen."""
+
+    rollout: str | None = None
+    """The rollout daemon's ZeroMQ endpoint (tcp://host:port)."""
+    rewards: str | None = None
+    """The reward daemon's ZeroMQ endpoint."""
+    rewards_http: str | None = None
+    """The reward daemon's HTTP base URL (OpenRLHF's /get_reward lives under it)."""
+    agents: str | None = None
+    """The agent gateway's base URL (OpenAI-compatible /v1/chat/completions)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DaemonPlan:
+    """One daemon's command line, minus the addresses the launcher picks."""
+
+    name: str
+    """rollout, rewards or agents."""
+    args: tuple[str, ...]
+    """``serve`` and its flags: derived ones first, then the user's."""
+    port_flags: tuple[str, ...]
+    """Flags the launcher fills with free ports (those the user did not give)."""
+    given: Addresses = Addresses()
+    """Addresses the user fixed in the section."""
+    num_gpus: int = 0
+    num_cpus: float = 1.0
+
+    @property
+    def module(self) -> str:
+        return MODULES[self.name]
+
+    @property
+    def ports_needed(self) -> int:
+        return len(self.port_flags)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Plan:
+    """Everything a backend starts."""
+
+    cfg: LaunchConfig
+    daemons: tuple[DaemonPlan, ...]
+    trainer_cfg: Any = None
+    """The trainer's parsed config (PPOConfig, ...); None without a trainer."""
+    colocate: bool = False
+    """Trainer and rollout engines share devices (ppo --train.colocate_all)."""
+
+    def daemon(self, name: str) -> DaemonPlan | None:
+        return next((d for d in self.daemons if d.name == name), None)
+
+
+# ---------------------------------------------------------------------------------------------
+# flag lists
+
+
+def flag_items(args: Sequence[str]) -> list[tuple[str, list[str]]]:
+    """``[--a, 1, --b, --c, x, y]`` -> ``[(--a, [1]), (--b, []), (--c, [x, y])]`` (values follow their flag)."""
+    items: list[tuple[str, list[str]]] = []
+    for token in args:
+        name = flag_name(token)
+        if name is None:
+            if not items:
+                raise ConfigError(f"{token!r} is not a flag (flags start with --)")
+            items[-1][1].append(token)
+        else:
+            items.append((token, []))
+    return items
+
+
+def _twins(name: str) -> set[str]:
+    """A flag name and its boolean twin (``--g.x`` <-> ``--g.no_x``)."""
+    head, _, leaf = name[2:].rpartition(".")
+    prefix = f"--{head}." if head else "--"
+    other = leaf[3:] if leaf.startswith("no_") else f"no_{leaf}"
+    return {name, prefix + other}
+
+
+def given_names(args: Sequence[str]) -> set[str]:
+    return {n for n in (flag_name(a) for a in args) if n is not None}
+
+
+def merge(derived: Sequence[str], user: Sequence[str]) -> list[str]:
+    """The derived flags the user did not give (nor their boolean twins), then the user's flags."""
+    mine = given_names(user)
+    out: list[str] = []
+    for flag, values in flag_items(derived):
+        if not _twins(flag_name(flag) or flag) & mine:
+            out += [flag, *values]
+    return out + list(user)
+
+
+def flag_value(args: Sequence[str], name: str) -> str | None:
+    """The (last) value given to flag ``name`` in ``args``; None when absent."""
+    value = None
+    for flag, values in flag_items(args) if args else []:
+        if flag_name(flag) == name:
+            value = flag.split("=", 1)[1] if "=" in flag else (values[0] if values else "")
+    return value
+
+
+def _fixed_port(flag: str, value: str, where: str) -> None:
+    if value.rsplit(":", 1)[-1] == "0":
+        raise ConfigError(f"`-- {where}` {flag} {value}: port 0 leaves the address unknown to the launcher; "
+                          "give a fixed port or leave the flag to the launcher")
+
+
+def _check(cls: type, args: Sequence[str], where: str) -> Any:
+    """``args`` parsed with ``cls`` (the component's own config); invalid flags name the section."""
+    try:
+        return parse(cls, list(args), prog=f"treadle-launch -- {where}")
+    except ConfigError as e:
+        raise ConfigError(f"`-- {where}`: {e}") from None
+
+
+# ---------------------------------------------------------------------------------------------
+# components
+
+
+def rollout_flags_from(ppo: Any) -> list[str]:
+    """``treadle-rollout serve`` flags for a ppo run's engines, as the trainer's own daemon gets them."""
+    from treadle.trainer.rl.daemon import DTYPES, DaemonSpec, serve_args  # noqa: PLC0415  (no torch)
+
+    v = ppo.vllm
+    spec = DaemonSpec(model=ppo.actor.model_name_or_path, engines=v.num_engines, backend=v.backend,
+                      tensor_parallel_size=v.tensor_parallel_size, dtype=DTYPES[ppo.ds.param_dtype],
+                      max_model_len=ppo.max_len, gpu_memory_utilization=v.gpu_memory_utilization,
+                      enable_prefix_caching=v.enable_prefix_caching, enforce_eager=v.enforce_eager,
+                      enable_sleep=v.enable_sleep, seed=ppo.train.seed)
+    items = flag_items(serve_args(spec, _PLACEHOLDER))
+    return [t for flag, values in items if flag != "--endpoint" for t in (flag, *values)]
+
+
+def rollout_plan(cfg: LaunchConfig, ppo: Any) -> DaemonPlan:
+    from treadle.rollout.config import ServeConfig  # noqa: PLC0415
+
+    user = cfg.rollout.args or ()
+    args = merge(rollout_flags_from(ppo) if ppo is not None else [], user)
+    endpoint = flag_value(user, "--endpoint")
+    checked = _check(ServeConfig, [*args, *(() if endpoint else ("--endpoint", _PLACEHOLDER))], "rollout")
+    if endpoint:
+        _fixed_port("--endpoint", endpoint, "rollout")
+    gpus = cfg.rollout.num_gpus
+    if gpus and gpus != checked.engines * checked.ranks_per_engine:
+        raise ConfigError(f"--rollout.num_gpus {gpus}: the rollout daemon runs {checked.engines} engines x "
+                          f"{checked.ranks_per_engine} GPUs (--engines x --tensor_parallel_size x --pipeline_parallel_size)")
+    return DaemonPlan(name="rollout", args=("serve", *args), port_flags=() if endpoint else ("--endpoint",),
+                      given=Addresses(rollout=endpoint), num_gpus=gpus, num_cpus=cfg.rollout.num_cpus)
+
+
+def rewards_plan(cfg: LaunchConfig) -> DaemonPlan:
+    from treadle.rewards.config import ServeConfig  # noqa: PLC0415
+
+    user = list(cfg.rewards.args or ())
+    zmq, port = flag_value(user, "--zmq.endpoint"), flag_value(user, "--http.port")
+    checked = _check(ServeConfig, [*user, *(() if zmq else ("--zmq.endpoint", _PLACEHOLDER)),
+                                   *(() if port else ("--http.port", "1"))], "rewards")
+    for flag, value in (("--zmq.endpoint", zmq), ("--http.port", port)):
+        if value:
+            _fixed_port(flag, value, "rewards")
+    if zmq is not None and checked.zmq.endpoint is None:
+        raise ConfigError("`-- rewards` --zmq.endpoint None: the trainer reaches the reward daemon over ZeroMQ")
+    http = f"http://{checked.http.host}:{checked.http.port}" if port and checked.http.port is not None else None
+    return DaemonPlan(name="rewards", args=("serve", *user),
+                      port_flags=tuple(f for f, v in (("--zmq.endpoint", zmq), ("--http.port", port)) if not v),
+                      given=Addresses(rewards=zmq, rewards_http=http), num_gpus=cfg.rewards.num_gpus,
+                      num_cpus=cfg.rewards.num_cpus)
+
+
+def agents_plan(cfg: LaunchConfig, ppo: Any) -> DaemonPlan:
+    from treadle.agents.gateway.config import GatewayConfig  # noqa: PLC0415
+
+    user = list(cfg.agents.args or ())
+    derived = ["--model", ppo.actor.model_name_or_path] if ppo is not None else []
+    if cfg.rollout.args is not None and flag_value(user, "--rollout") is not None:
+        raise ConfigError("`-- agents` --rollout: the gateway uses the launched rollout daemon; drop the flag")
+    args = merge(derived, user)
+    port = flag_value(user, "--port")
+    checked = _check(GatewayConfig, [*args, *(() if port else ("--port", "1")),
+                                     *(("--rollout", _PLACEHOLDER) if cfg.rollout.args is not None else ())], "agents")
+    if port:
+        _fixed_port("--port", port, "agents")
+    given = Addresses(agents=f"http://{checked.host}:{checked.port}" if port else None)
+    return DaemonPlan(name="agents", args=("serve", *args), port_flags=() if port else ("--port",), given=given,
+                      num_cpus=cfg.agents.num_cpus)
+
+
+def _wired(cfg: LaunchConfig) -> dict[str, str]:
+    """Trainer flags the launcher provides (flag -> the daemon that provides it)."""
+    wired = {}
+    if cfg.trainer.command == "ppo":
+        if cfg.rollout.args is not None:
+            wired["--vllm.endpoint"] = "rollout"
+        if cfg.rewards.args is not None:
+            wired["--reward.remote_url"] = "rewards"
+    return wired
+
+
+def trainer_config(cfg: LaunchConfig) -> Any:
+    """The trainer section parsed with treadle-train's own config (wired flags as placeholders)."""
+    command = cfg.trainer.command
+    if command is None:
+        return None
+    if command != "ppo" and cfg.daemons:
+        raise ConfigError(f"`-- {command}` trains without daemons; `-- {' / -- '.join(cfg.daemons)}` serve ppo runs")
+    from treadle.trainer.config import parse_command  # noqa: PLC0415  (no torch)
+
+    args = list(cfg.trainer.args)
+    for flag, daemon in _wired(cfg).items():
+        if flag_value(args, flag) is not None:
+            raise ConfigError(f"`-- ppo` {flag}: the launched {daemon} daemon provides it; drop the flag "
+                              f"(or the `-- {daemon}` section)")
+        args += [flag, _PLACEHOLDER]
+    try:
+        return parse_command(command, args)
+    except ConfigError as e:
+        raise ConfigError(f"`-- {command}`: {e}") from None
+
+
+def make_plan(cfg: LaunchConfig) -> Plan:
+    """Check every section and derive each daemon's flags (raises ConfigError naming the section)."""
+    tcfg = trainer_config(cfg)
+    ppo = tcfg if cfg.trainer.command == "ppo" else None
+    builders = {"rollout": lambda: rollout_plan(cfg, ppo), "rewards": lambda: rewards_plan(cfg),
+                "agents": lambda: agents_plan(cfg, ppo)}
+    daemons = tuple(builders[name]() for name in cfg.daemons)
+    colocate = bool(ppo is not None and ppo.train.colocate_all)
+    return Plan(cfg=cfg, daemons=daemons, trainer_cfg=tcfg, colocate=colocate)
+
+
+# ---------------------------------------------------------------------------------------------
+# Ray placement
+
+
+def bundles_of(plan: Plan) -> tuple[list[dict[str, float]], dict[str, int], dict[str, dict[str, float]]]:
+    """(placement-group bundles, component -> bundle index, component -> its actor's resources).
+
+    Trainer: ranks x (CPUs, GPUs) per rank in one bundle. Each daemon: a bundle of its own, except
+    a colocated rollout daemon, which adds its CPUs to the trainer's bundle and takes no GPU.
+    """
+    cfg = plan.cfg
+    bundles: list[dict[str, float]] = []
+    index: dict[str, int] = {}
+    need: dict[str, dict[str, float]] = {}
+    t = cfg.trainer
+    if t.command:
+        need["trainer"] = {"CPU": t.ranks * t.num_cpus_per_rank, "GPU": float(t.ranks * t.num_gpus_per_rank)}
+        index["trainer"] = len(bundles)
+        bundles.append(dict(need["trainer"]))
+    for d in plan.daemons:
+        if d.name == "rollout" and plan.colocate and "trainer" in index:
+            trainer_gpus = need["trainer"]["GPU"]
+            if d.num_gpus and d.num_gpus != trainer_gpus:
+                raise ConfigError(f"--train.colocate_all: --rollout.num_gpus {d.num_gpus} must equal the trainer's "
+                                  f"GPUs ({trainer_gpus:g} = --trainer.ranks x --trainer.num_gpus_per_rank)")
+            need["rollout"] = {"CPU": d.num_cpus, "GPU": 0.0}
+            index["rollout"] = index["trainer"]
+            bundles[index["trainer"]]["CPU"] += d.num_cpus
+            continue
+        need[d.name] = {"CPU": d.num_cpus, "GPU": float(d.num_gpus)}
+        index[d.name] = len(bundles)
+        bundles.append(dict(need[d.name]))
+    return [{k: v for k, v in b.items() if v} for b in bundles], index, need
+
+
+# ---------------------------------------------------------------------------------------------
+# addresses -> final command lines
+
+
+def bind(daemon: DaemonPlan, host: str, ports: Sequence[int], wired: Addresses) -> tuple[list[str], Addresses]:
+    """(the daemon's final argv for its module's ``main``, its addresses); ``ports`` fill ``port_flags``.
+
+    Daemons bind their default host (loopback); ``host`` is how the others reach them.
+    """
+    if len(ports) != daemon.ports_needed:
+        raise ValueError(f"{daemon.name}: {daemon.ports_needed} ports needed, got {len(ports)}")
+    filled = dict(zip(daemon.port_flags, ports, strict=True))
+    args = list(daemon.args)
+    if daemon.name == "rollout":
+        if "--endpoint" in filled:
+            args += ["--endpoint", f"tcp://{host}:{filled['--endpoint']}"]
+        return args, Addresses(rollout=daemon.given.rollout or f"tcp://{host}:{filled['--endpoint']}")
+    if daemon.name == "rewards":
+        if "--zmq.endpoint" in filled:
+            args += ["--zmq.endpoint", f"tcp://{host}:{filled['--zmq.endpoint']}"]
+        if "--http.port" in filled:
+            args += ["--http.port", str(filled["--http.port"])]
+        zmq = daemon.given.rewards or f"tcp://{host}:{filled['--zmq.endpoint']}"
+        http = f"http://{host}:{filled['--http.port']}" if "--http.port" in filled else daemon.given.rewards_http
+        return args, Addresses(rewards=zmq, rewards_http=http)
+    if wired.rollout is not None:
+        args += ["--rollout", wired.rollout]
+    if "--port" in filled:
+        args += ["--port", str(filled["--port"])]
+    return args, Addresses(agents=daemon.given.agents or f"http://{host}:{filled['--port']}")
+
+
+def trainer_argv(cfg: LaunchConfig, addresses: Addresses, python: str = sys.executable) -> list[str]:
+    """The trainer's full command: ``python -m treadle.trainer.cli CMD ...`` (under torchrun for ranks > 1)."""
+    t = cfg.trainer
+    assert t.command is not None
+    args = list(t.args)
+    for flag, daemon in _wired(cfg).items():
+        args += [flag, getattr(addresses, daemon)]
+    head = [python]
+    if t.ranks > 1:
+        head += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={t.ranks}"]
+    return [*head, "-m", MODULES["trainer"], t.command, *args]
+
+
+def merge_addresses(*parts: Addresses) -> Addresses:
+    """The addresses known across ``parts`` (later ones fill what earlier ones lack)."""
+    out: dict[str, str | None] = {}
+    for part in parts:
+        for name in Addresses.__slots__:
+            value = getattr(part, name)
+            if value is not None:
+                out[name] = value
+    return Addresses(**out)

@@ -1,0 +1,87 @@
+"""OpenRLHF's entry point, treadle's way: ``python -m treadle.integration.train_ppo_ray <PPO flags>``.
+
+Takes exactly ``treadle-train ppo``'s flags (OpenRLHF's vocabulary: ``--actor.num_gpus_per_node``,
+``--vllm.num_engines``, ``--vllm.tensor_parallel_size``, ``--train.colocate_all``, ...) and runs
+the job on Ray through the launcher's Ray backend, so it works directly and as a Ray job::
+
+    ray start --head
+    ray job submit --address http://127.0.0.1:8265 -- python -m treadle.integration.train_ppo_ray \\
+        --actor.model_name_or_path M --actor.num_gpus_per_node 8 --vllm.num_engines 4 \\
+        --vllm.tensor_parallel_size 2 --train.colocate_all ...
+
+What it starts: a rollout daemon actor with ``--vllm.num_engines`` engines (unless
+``--vllm.endpoint`` names a running one), and a trainer actor running ``actor.num_nodes x
+actor.num_gpus_per_node`` ranks under torchrun. On a cluster with GPUs each rank gets one and the
+engines get ``num_engines x tensor_parallel_size`` (the trainer's own with
+``--train.colocate_all``); on a CPU-only cluster the same numbers are CPU processes. Rewards come
+from the trainer's own flags (``--reward.model_name_or_path`` in the trainer ranks,
+``--reward.remote_url`` a file, a daemon or a URL). Reference, critic and reward models live in
+the trainer ranks, so their ``--*.num_gpus_per_node`` flags must match the actor's when colocated
+(the config checks that) and are otherwise not separate placements.
+
+Logs and run.json go to ``<TREADLE_RUN_DIR>/launch-<UTC time>`` (printed at start). Exit status
+as ``treadle-launch``'s. Not supported: trainer ranks across nodes (``--actor.num_nodes > 1``).
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+from treadle.common.config import ConfigError
+from treadle.common.log import setup_logging
+from treadle.integration.config import LaunchConfig, RolloutLaunch, TrainerLaunch
+
+
+def launch_config(args: Sequence[str], ppo: Any, *, gpus: bool) -> LaunchConfig:
+    """The launch of a PPO run given its parsed flags; ``gpus``: the cluster has GPUs to place on."""
+    actor, vllm = ppo.actor, ppo.vllm
+    if actor.num_nodes > 1:
+        raise ConfigError(f"--actor.num_nodes {actor.num_nodes}: trainer ranks across nodes are not supported yet; "
+                          "run on one node (--actor.num_nodes 1)")
+    ranks = actor.num_gpus_per_node
+    rollout = RolloutLaunch()
+    if vllm.endpoint is None:
+        rollout = RolloutLaunch(args=(), num_gpus=vllm.num_engines * vllm.tensor_parallel_size if gpus else 0)
+    return LaunchConfig(backend="ray", rollout=rollout,
+                        trainer=TrainerLaunch(command="ppo", args=tuple(args), ranks=ranks,
+                                              num_gpus_per_rank=1 if gpus else 0))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    setup_logging()
+    from treadle.integration.cli import install_stop_handlers, launch, report, run_dir_of  # noqa: PLC0415
+    from treadle.integration.plan import make_plan  # noqa: PLC0415
+    from treadle.trainer.config import parse_ppo  # noqa: PLC0415
+
+    try:
+        ppo = parse_ppo(args)
+        cpu_plan = make_plan(launch_config(args, ppo, gpus=False))
+    except ConfigError as e:
+        print(f"train_ppo_ray: error: {e}", file=sys.stderr)
+        return 2
+    import ray  # noqa: PLC0415
+
+    from treadle.integration.ray_backend import bundles_of, connect  # noqa: PLC0415
+
+    connect(cpu_plan.cfg.ray, sum(b.get("CPU", 0) for b in bundles_of(cpu_plan)[0]))
+    gpus = ray.cluster_resources().get("GPU", 0) > 0
+    plan = make_plan(launch_config(args, ppo, gpus=True)) if gpus else cpu_plan
+    run_dir = run_dir_of(plan.cfg)
+    print(f"train_ppo_ray: run directory {run_dir}", flush=True)
+    stop = threading.Event()
+    install_stop_handlers(stop)
+    try:
+        outcome = launch(plan, run_dir, stop)
+    except ConfigError as e:
+        print(f"train_ppo_ray: error: {e}", file=sys.stderr)
+        return 2
+    print(report(outcome, run_dir), file=sys.stderr if outcome.exit_code else sys.stdout, flush=True)
+    return outcome.exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
