@@ -214,6 +214,15 @@ def test_config_refuses_adapters_and_bad_values():
             SenderConfig(**bad)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without CUDA")
+def test_cuda_ipc_transport_needs_cuda(model_b):
+    from treadle.trainer.weights.sender import SenderConfig
+
+    assert SenderConfig(transport="cuda_ipc").transport == "cuda_ipc"
+    with pytest.raises(ConfigError, match="cuda_ipc needs CUDA"):
+        sender(causal_lm(model_b), object(), transport="cuda_ipc")
+
+
 # ------------------------------------------------------------------ against a daemon, in this process
 
 

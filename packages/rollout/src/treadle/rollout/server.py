@@ -171,9 +171,9 @@ class RolloutServer:
             async for item in self.pool.weights.update_collective(update, mode):
                 yield item
             return
-        if update.transport != "inline":
-            raise BadRequest(f"the rollout daemon takes inline or collective updates, not {update.transport!r}")
-        self.pool.weights.check(update, "inline")  # refuse before "accepted"
+        if update.transport not in ("inline", "cuda_ipc"):
+            raise BadRequest(f"the rollout daemon takes inline, collective or cuda_ipc updates, not {update.transport!r}")
+        self.pool.weights.check(update, update.transport)  # refuse before "accepted"
         yield Control(op="accepted", args={"version": update.version})
         report = await self.pool.weights.update_inline(update, mode)
         yield Control(op="updated", args=report)

@@ -1,6 +1,8 @@
 """Weight updates across the pool, the weight-broadcast group, and keeping the latest weights.
 
-Inline updates (tensors in the ``WeightUpdate``) fan out to every live engine. Collective
+Inline updates (tensors in the ``WeightUpdate``) fan out to every live engine, and so do
+``cuda_ipc`` ones (handles of a colocated sender's GPU buckets, which each engine opens itself;
+the front end never holds those bytes, so it keeps no weights from them). Collective
 updates go over a torch.distributed group built by ``join``: the sender is rank 0 and hosts
 the ``TCPStore``; engine ``k`` takes ranks ``base_k .. base_k + TP*PP - 1``; with
 ``--keep_weights`` and gloo the front end itself takes the last rank and receives every bucket.
@@ -130,15 +132,16 @@ class WeightCoordinator:
                              f"{self.pool.version}: versions must increase")
 
     async def update_inline(self, update: WeightUpdate, mode: str) -> dict[str, Any]:
-        """Load ``update`` into every live engine; returns the report (raises as ``_settle``)."""
+        """Load ``update`` (inline or cuda_ipc) into every live engine; returns the report (raises
+        as ``_settle``)."""
         async with self.lock:
-            self.check(update, "inline")
+            self.check(update, "cuda_ipc" if update.transport == "cuda_ipc" else "inline")
             targets = self.pool.live(UPDATABLE)
             if not targets:
                 raise tagged(NoEngine, "no live engine to update")
             method = "update_weights_abort" if mode == "abort" else "update_weights"
             replies = await asyncio.gather(*(h.call(method, update) for h in targets), return_exceptions=True)
-            return self._settle(update, targets, replies, lambda: update)
+            return self._settle(update, targets, replies, lambda: update if update.transport == "inline" else None)
 
     async def update_collective(self, update: WeightUpdate, mode: str) -> AsyncIterator[Control]:
         """Receive ``update``'s buckets on every member (and the keeper); yields accepted, updated."""
@@ -183,6 +186,8 @@ class WeightCoordinator:
             kept = keep()
             if kept is not None and self.pool.cfg.keep_weights:
                 self.kept = Kept(update=kept)
+            elif update.transport == "cuda_ipc":  # an older kept version must not catch engines up
+                self.kept = None
         for engine_id, e in failed.items():
             log.error("engine %s did not take weight version %d: %s", engine_id, update.version, e)
         if quarantined:

@@ -7,7 +7,7 @@ an ``ipc://`` (or loopback tcp) endpoint, one method per ``Engine`` method:
     generate (stream)           GenerateRequest -> GenerateResult per sample
     prompt_logprobs             GenerateRequest -> GenerateResult(prompt_logprobs=...)
     abort                       Control(args={"key"}) -> Control(args={"aborted"})
-    update_weights[_abort]      WeightUpdate (inline) -> Control(args={"version"})
+    update_weights[_abort]      WeightUpdate (inline or cuda_ipc) -> Control(args={"version"})
     join_weight_group           Control(args=GroupSpec fields) -> Ack
     receive_weights[_abort]     WeightUpdate (collective) -> Control(args={"version"})
     leave_weight_group, wake, reset_prefix_cache -> Ack

@@ -3,7 +3,8 @@
 An ``Engine`` is token in, token out: ``generate`` takes a ``GenerateRequest`` and yields one
 ``GenerateResult`` per sample as each finishes, with the sampled tokens' logprobs under the
 sampling distribution (temperature, top-k, top-p applied) and the weight version that produced
-every one of its tokens. Weights change only through ``update_weights`` (tensors in hand) or
+every one of its tokens. Weights change only through ``update_weights`` (tensors in hand, or
+with ``transport="cuda_ipc"`` the handles of a colocated sender's GPU buckets) or
 ``receive_weights`` (buckets broadcast over a group joined with ``join_weight_group``).
 
 Shared here, so every backend behaves alike:
@@ -36,7 +37,13 @@ from treadle.common.errors import BadRequest, Busy, EngineDead, ServiceClosed
 from treadle.common.records import GenerateRequest, GenerateResult, WeightUpdate
 from treadle.rollout.engine.group import GroupSpec
 from treadle.rollout.engine.state import RATE_WINDOW_S, EngineStats, Rate, SleepState
-from treadle.rollout.engine.weights import CanaryMismatch, WeightSpec, as_tensor, canary_error
+from treadle.rollout.engine.weights import (
+    CanaryMismatch,
+    WeightSpec,
+    as_tensor,
+    bucket_ranges,
+    canary_error,
+)
 
 PauseMode = Literal["wait", "abort"]
 
@@ -149,11 +156,24 @@ class Engine(ABC):
         Checked before anything is touched; generation is paused during the load (``mode``:
         in-flight samples finish on the old weights first, or are aborted) and resumed after.
         """
+        if update.transport == "cuda_ipc":
+            return await self._update_ipc(update, mode)
         ts = [as_tensor(t) for t in (update.tensors if tensors is None else tensors)]
         async with self._control:
             self.check_update(update)
             self.weight_spec.check_tensors(update.names, update.dtypes, update.shapes, ts)
             await self._swap(update, mode, lambda: self._load(update, ts))
+            return self._version
+
+    async def _update_ipc(self, update: WeightUpdate, mode: PauseMode) -> int:
+        """Load a cuda_ipc update: every check (header, handle count, colocation) before the gate closes."""
+        async with self._control:
+            self.check_update(update)
+            buckets = len(bucket_ranges(update.bucket_sizes, len(update.names)))
+            if len(update.ipc_handles) != buckets:
+                raise BadRequest(f"cuda_ipc update: {len(update.ipc_handles)} handles for {buckets} buckets")
+            await self._check_ipc(update)
+            await self._swap(update, mode, lambda: self._load_ipc(update))
             return self._version
 
     async def join_weight_group(self, group: GroupSpec | dict[str, Any]) -> None:
@@ -351,6 +371,15 @@ class Engine(ABC):
 
     @abstractmethod
     async def _load(self, update: WeightUpdate, tensors: list[Any]) -> None: ...
+
+    async def _check_ipc(self, update: WeightUpdate) -> None:
+        """Refuse a cuda_ipc update this engine cannot open (default: the backend takes none)."""
+        raise BadRequest(f"the {self.backend} backend does not take cuda_ipc weight updates: send them "
+                         "collective (NCCL) or inline")
+
+    async def _load_ipc(self, update: WeightUpdate) -> None:
+        """Open each bucket's handle, load its tensors, release the handles (after ``_check_ipc``)."""
+        raise BadRequest(f"the {self.backend} backend does not take cuda_ipc weight updates")
 
     @abstractmethod
     async def _join_group(self, spec: GroupSpec) -> None: ...

@@ -2,7 +2,8 @@
 
 The reference engine (its logprobs are the model's own) and the fallback where vLLM cannot run,
 e.g. the receiving side of NCCL weight sync on a GPU machine without vLLM: nothing here is
-CPU-specific (``device`` in the config).
+CPU-specific (``device`` in the config). On a GPU it also takes ``cuda_ipc`` updates from a
+sender on the same GPU (``engine.ipc``): it maps the sender's buckets and copies from them.
 
 Scheduling is static batching: when the loop is free it takes the queued requests (up to
 ``max_batch_samples`` samples), left-pads their prompts, prefills once and decodes step by step,
@@ -32,7 +33,15 @@ from treadle.rollout.engine.base import Engine
 from treadle.rollout.engine.group import GroupSpec, WeightGroup, receive_buckets
 from treadle.rollout.engine.sampling import GREEDY_EPS, mask_stop_tokens, processed_logprobs, sample
 from treadle.rollout.engine.state import SleepState
-from treadle.rollout.engine.weights import WeightSpec, model_eos_ids, spec_from_checkpoint
+from treadle.rollout.engine.weights import (
+    WeightMismatch,
+    WeightSpec,
+    bucket_layout,
+    bucket_ranges,
+    model_eos_ids,
+    spec_from_checkpoint,
+    unpack_bucket,
+)
 
 log = get_logger(__name__)
 
@@ -323,6 +332,44 @@ class HfEngine(Engine):
 
     async def _load(self, update: WeightUpdate, tensors: list[Any]) -> None:
         await self._call(self._copy_in, zip(update.names, tensors, strict=True))
+
+    async def _check_ipc(self, update: WeightUpdate) -> None:
+        from treadle.rollout.engine.ipc import check_colocated, loads
+
+        handles = [loads(h) for h in update.ipc_handles]
+        offsets = bucket_ranges(update.bucket_sizes, len(update.names))
+        for h, (lo, hi) in zip(handles, offsets, strict=True):
+            need = bucket_layout(update.dtypes[lo:hi], update.shapes[lo:hi])[1]
+            if h.numel != need:
+                raise WeightMismatch(f"cuda_ipc bucket of tensors [{lo}, {hi}) has {h.numel} bytes, its "
+                                     f"layout needs {need}")
+        if handles:  # the device's UUID is a CUDA call: on the model thread, like all CUDA work
+            await self._call(check_colocated, handles[0], self.device)
+
+    @torch.inference_mode()
+    def _copy_ipc(self, update: WeightUpdate) -> None:
+        """Map the sender's buckets, copy their tensors into the model, wait, unmap."""
+        from treadle.rollout.engine.ipc import open_handles
+
+        flats: list[torch.Tensor] = []
+        ranges = bucket_ranges(update.bucket_sizes, len(update.names))
+
+        def named() -> Any:
+            for (lo, hi), flat in zip(ranges, flats, strict=True):
+                _, views = unpack_bucket(update.dtypes[lo:hi], update.shapes[lo:hi], flat=flat)
+                yield from zip(update.names[lo:hi], views, strict=True)
+
+        try:
+            flats.extend(open_handles(update.ipc_handles, self.device))
+            self._copy_in(named())
+        finally:
+            # The copies run asynchronously: they must have read the sender's memory before it is
+            # unmapped (the last reference dropped) and before we answer (the sender reuses it).
+            torch.cuda.synchronize(self.device)
+            flats.clear()
+
+    async def _load_ipc(self, update: WeightUpdate) -> None:
+        await self._call(self._copy_ipc, update)
 
     async def _join_group(self, spec: GroupSpec) -> None:
         # Its own thread: joining blocks until every member joined; generation keeps going.

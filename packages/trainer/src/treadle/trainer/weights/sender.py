@@ -25,6 +25,12 @@
 The inline transport gathers alike but rank 0 keeps host copies and sends them inside the
 ``WeightUpdate`` (tests and tiny models: the message must fit the daemon's frame limit).
 
+The cuda_ipc transport is for engines on rank 0's GPU (colocated): every rank gathers alike,
+rank 0 packs every bucket into one GPU buffer (a full copy of the sent weights, kept for the
+next sync), sends the buckets' CUDA IPC handles (``treadle.rollout.engine.ipc``) inside the
+``WeightUpdate``, and leaves the buffer untouched until the daemon answered (the engines copy
+from it and unmap it before they answer). No group, no broadcast.
+
 One sender per daemon: joining a group replaces the daemon's previous group.
 
 Not here: what is sent and under which names (``gather``), rank 0's threads and the outcome
@@ -49,6 +55,7 @@ from treadle.common.log import get_logger
 from treadle.common.records import WeightUpdate
 from treadle.rollout.client import WeightGroupStale
 from treadle.rollout.engine.group import GroupSpec, WeightGroup
+from treadle.rollout.engine.ipc import encode_buckets
 from treadle.rollout.engine.weights import bucket_ranges, plan_buckets
 from treadle.trainer.weights.gather import (
     Item,
@@ -62,6 +69,7 @@ from treadle.trainer.weights.gather import (
 from treadle.trainer.weights.transfer import (
     Transfer,
     WeightSyncFailed,
+    outcome_group,
     raise_outcome,
     share_outcome,
 )
@@ -79,7 +87,8 @@ NARROWED_CANARY_TOL = 0.1  # an fp32 trainer vs a bf16 engine differ by ~5e-2 (P
 class SenderConfig:
     """How the trainer sends its weights to the rollout engines."""
 
-    transport: Literal["collective", "inline"] = "collective"  # a gloo/nccl group, or tensors in the message
+    transport: Literal["collective", "inline", "cuda_ipc"] = "collective"
+    # a gloo/nccl group; tensors in the message; or CUDA IPC handles for engines on rank 0's GPU
     backend: Literal["gloo", "nccl"] = "gloo"  # the group's backend (collective)
     bucket_bytes: int = 256 << 20  # bytes per broadcast; 0: one tensor per broadcast (the baseline)
     dtype: str | None = None  # the engines' dtype ("bfloat16", ...); None: the trainer's parameter dtype
@@ -93,8 +102,8 @@ class SenderConfig:
     # (partial rollout: the agents' sampler resumes them on the new weights)
 
     def __post_init__(self) -> None:
-        if self.transport not in ("collective", "inline"):
-            raise ConfigError(f"--transport must be collective or inline, got {self.transport!r}")
+        if self.transport not in ("collective", "inline", "cuda_ipc"):
+            raise ConfigError(f"--transport must be collective, inline or cuda_ipc, got {self.transport!r}")
         if self.backend not in ("gloo", "nccl"):
             raise ConfigError(f"--backend must be gloo or nccl, got {self.backend!r}")
         if self.bucket_bytes < 0:
@@ -147,10 +156,15 @@ class WeightSender:
         if first is not None and hasattr(first, "ds_id") and not self._zero3:
             raise ValueError(f"the model's parameters are ZeRO-3 partitions but zero_stage={zero_stage}")
         self._dtype = getattr(torch, config.dtype) if config.dtype else None
-        nccl = config.backend == "nccl"
-        self._device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+        if config.transport == "cuda_ipc" and not torch.cuda.is_available():
+            raise ConfigError("--transport cuda_ipc needs CUDA: the trainer's rank 0 shares GPU buffers with "
+                              "engines on its GPU (use collective or inline without a GPU)")
+        on_gpu = config.backend == "nccl" or config.transport == "cuda_ipc"
+        self._device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
         self._group: WeightGroup | None = None
         self._buffers: list[torch.Tensor] = []
+        self._ipc_buffer: torch.Tensor | None = None
+        self._outcomes: Any = False  # the gloo group outcomes are shared over; False: not made yet
         self._closed = False
 
     # ------------------------------------------------------------------ public
@@ -162,7 +176,7 @@ class WeightSender:
         start = time.perf_counter()
         items = plan(self._module, self._dtype)
         canary = self._canary()
-        run = self._sync_inline if self.config.transport == "inline" else self._sync_collective
+        run = {"inline": self._sync_inline, "cuda_ipc": self._sync_ipc}.get(self.config.transport, self._sync_collective)
         answer, buckets, gather_s, send_s = run(version, items, canary)
         answer = answer or {}
         report = SyncReport(version=version, tensors=len(items), bytes=sum(it.nbytes for it in items),
@@ -185,7 +199,7 @@ class WeightSender:
             with contextlib.suppress(Exception):
                 self._client.leave_weight_group()
         self._drop_group()
-        self._buffers = []
+        self._buffers, self._ipc_buffer = [], None
 
     def __enter__(self) -> WeightSender:
         return self
@@ -203,14 +217,14 @@ class WeightSender:
                 transfer = self._open(version, items, sizes, canary)
             except Exception as e:
                 err = e
-        raise_outcome(share_outcome(err), err, version)  # a refusal: nothing gathered anywhere
+        raise_outcome(self._share(err), err, version)  # a refusal: nothing gathered anywhere
         gather_s = self._produce(items, sizes, transfer)
         answer = None
         if transfer is not None:
             answer, err = transfer.result()
             if transfer.sent < len(sizes):  # the members are out of step: rebuild before the next
                 self._drop_group()
-        raise_outcome(share_outcome(err), err, version)
+        raise_outcome(self._share(err), err, version)
         return answer, len(sizes), gather_s, transfer.send_seconds if transfer is not None else 0.0
 
     def _sync_inline(self, version: int, items: list[Item], canary: np.ndarray | None) -> tuple:
@@ -230,8 +244,34 @@ class WeightSender:
             except Exception as e:
                 err = e
             send_s = time.perf_counter() - start
-        raise_outcome(share_outcome(err), err, version)
+        raise_outcome(self._share(err), err, version)
         return answer, 1, gather_s, send_s
+
+    def _sync_ipc(self, version: int, items: list[Item], canary: np.ndarray | None) -> tuple:
+        sizes = plan_buckets([it.nbytes for it in items], self.config.bucket_bytes)
+        spans: list[tuple[int, int]] = []  # (offset, bytes) of each bucket in the buffer
+        start = time.perf_counter()
+        if self._is_main or self._zero3:
+            buffer, offset = (self._ipc_buffer_for(items, sizes) if self._is_main else None), 0
+            for lo, hi in gathered(items, sizes, zero3=self._zero3):
+                if self._is_main:
+                    n = bucket_bytes(items[lo:hi])
+                    pack(items[lo:hi], buffer[offset:offset + n])
+                    spans.append((offset, n))
+                    offset += n
+            if self._is_main:  # the engines read the buffer from other processes
+                torch.cuda.current_stream().synchronize()
+        gather_s, answer, err, send_s = time.perf_counter() - start, None, None, 0.0
+        if self._is_main:
+            start = time.perf_counter()
+            try:
+                update = self._header(version, items, canary, sizes=sizes, handles=encode_buckets(self._ipc_buffer, spans))
+                answer = self._client.update_weights(update, mode=self.config.mode)
+            except Exception as e:
+                err = e
+            send_s = time.perf_counter() - start
+        raise_outcome(self._share(err), err, version)
+        return answer, len(sizes), gather_s, send_s
 
     def _produce(self, items: list[Item], sizes: list[int], transfer: Transfer | None) -> float:
         """Walk the buckets (every rank under ZeRO-3, else rank 0 only); rank 0 packs each into a
@@ -297,14 +337,16 @@ class WeightSender:
                 group.close()
 
     def _header(self, version: int, items: list[Item], canary: np.ndarray | None, *, sizes: list[int] = (),
-                group: dict[str, Any] | None = None, tensors: list[torch.Tensor] = ()) -> WeightUpdate:
+                group: dict[str, Any] | None = None, tensors: list[torch.Tensor] = (),
+                handles: list[bytes] = ()) -> WeightUpdate:
         extra: dict[str, Any] = {}
         if canary is not None:
             extra = {"canary_token_ids": np.asarray(self.config.canary_token_ids, dtype=np.int32),
                      "canary_logprobs": canary, "canary_tolerance": self._canary_tolerance(items)}
         return WeightUpdate(version=version, names=[it.name for it in items], dtypes=[it.dtype_name for it in items],
                             shapes=[list(it.shape) for it in items], transport=self.config.transport,
-                            bucket_sizes=list(sizes), group=group or {}, tensors=list(tensors), **extra)
+                            bucket_sizes=list(sizes), group=group or {}, tensors=list(tensors),
+                            ipc_handles=list(handles), **extra)
 
     def _buffers_for(self, items: list[Item], sizes: list[int]) -> list[torch.Tensor]:
         """Two buffers, each large enough for the largest bucket (kept for the next sync)."""
@@ -314,6 +356,20 @@ class WeightSender:
             self._buffers = [torch.empty(need, dtype=torch.uint8, device=self._device, pin_memory=pin)
                              for _ in range(2)]
         return self._buffers
+
+    def _share(self, err: BaseException | None) -> int:
+        """``share_outcome`` over a CPU group, made at the first sync (every rank is there)."""
+        if self._outcomes is False:
+            self._outcomes = outcome_group()
+        return share_outcome(err, self._outcomes)
+
+    def _ipc_buffer_for(self, items: list[Item], sizes: list[int]) -> torch.Tensor:
+        """One GPU buffer holding every bucket back to back (kept for the next sync)."""
+        need = sum(bucket_bytes(items[lo:hi]) for lo, hi in bucket_ranges(sizes, len(items)))
+        if self._ipc_buffer is None or self._ipc_buffer.numel() < need:
+            self._ipc_buffer = None  # free the old one first (a full model copy)
+            self._ipc_buffer = torch.empty(need, dtype=torch.uint8, device=self._device)
+        return self._ipc_buffer
 
     # ------------------------------------------------------------------ every rank
 

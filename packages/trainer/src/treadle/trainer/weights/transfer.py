@@ -8,7 +8,9 @@ bucket k, and memory stays at two buckets.
 
 ``share_outcome`` / ``raise_outcome``: rank 0's result as one integer, all-reduced (max) over
 the trainer's ranks, so that every rank returns or raises alike and none is left waiting in a
-collective that rank 0 will not enter.
+collective that rank 0 will not enter. Over a CPU (gloo) group when the sender has one: the
+other ranks then wait for rank 0 on the CPU, not in a GPU kernel that spins on a GPU an
+engine may be receiving on (``outcome_group``).
 
 Not here: gathering and packing (``gather``), the daemon's protocol choices (``sender``).
 """
@@ -56,15 +58,25 @@ def outcome_code(err: BaseException | None) -> int:
     return 1 + next((i for i, cls in enumerate(OUTCOMES) if isinstance(err, cls)), len(OUTCOMES) - 1)
 
 
-def share_outcome(err: BaseException | None) -> int:
-    """Rank 0's outcome code on every rank: a max all-reduce of one integer (no-op on one rank)."""
+def outcome_group() -> Any:
+    """A gloo group of every rank when the default group is NCCL (a collective: every rank calls
+    it, in the same order); None when the default group already runs on the CPU, or one rank."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return None
+    return dist.new_group(backend="gloo") if "nccl" in str(dist.get_backend()) else None
+
+
+def share_outcome(err: BaseException | None, group: Any = None) -> int:
+    """Rank 0's outcome code on every rank: a max all-reduce of one integer over ``group`` (the
+    default group if None; no-op on one rank)."""
     code = outcome_code(err)
     dist = torch.distributed
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        on_gpu = "nccl" in str(dist.get_backend())  # NCCL reduces device tensors only
+        on_gpu = "nccl" in str(dist.get_backend(group))  # NCCL reduces device tensors only
         t = torch.tensor([code], dtype=torch.int64,
                          device=torch.device("cuda", torch.cuda.current_device()) if on_gpu else "cpu")
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
         code = int(t.item())
     return code
 
