@@ -46,8 +46,9 @@ SEED_PPO = """
 def shrunk_seed(tiny: Path, chat: Path, out: Path) -> list[str]:
     """The seed's flags with sizes for one CPU: 1 "GPU" per role, 1 engine, tiny model, 2 steps.
 
-    Dropped: ``--ds.enable_sleep`` (the trainer refuses it: not implemented yet) and the wandb key.
-    Added: ``--vllm.backend hf`` (vLLM's CPU build refuses ``enable_sleep_mode``; see the report).
+    Dropped: ``--ds.enable_sleep`` (it offloads ZeRO-3 states to host memory between phases, which
+    means nothing on a CPU-only machine) and the wandb key.
+    Added: ``--vllm.backend hf`` (a faster start than vLLM's CPU build for a 2-step run).
     """
     values = {"--ref.num_gpus_per_node": "1", "--reward.num_gpus_per_node": "1", "--critic.num_gpus_per_node": "1",
               "--actor.num_gpus_per_node": "1", "--vllm.num_engines": "1", "--vllm.tensor_parallel_size": "1",

@@ -34,6 +34,18 @@ def _command_first(args: list[str]) -> list[str]:
     return args[:1] + lead + args[1:]
 
 
+def _import_recipe(command: str) -> object | None:
+    """The recipe module, or None (after one line naming the missing extra) without torch & co."""
+    try:
+        return importlib.import_module(RECIPES[command])
+    except ModuleNotFoundError as e:
+        if e.name and e.name.split(".")[0] in ("torch", "deepspeed", "transformers", "peft", "safetensors"):
+            print(f"treadle-train {command}: error: training needs {e.name!r}: pip install 'treadle-trainer[train]'",
+                  file=sys.stderr)
+            return None
+        raise
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _command_first(list(sys.argv[1:] if argv is None else argv))
     if not args or args[0] not in RECIPES:
@@ -47,11 +59,14 @@ def main(argv: list[str] | None = None) -> int:
         cfg = parse_command(command, args[1:])
     except ConfigError as e:
         return _fail(command, e)
+    recipe = _import_recipe(command)
+    if recipe is None:
+        return 2
     from treadle.trainer.strategy.deepspeed import shutdown_distributed  # noqa: PLC0415
 
     try:
         setup_logging()
-        importlib.import_module(RECIPES[command]).run(cfg)
+        recipe.run(cfg)
     except ConfigError as e:  # also DataError: a malformed dataset or row
         return _fail(command, e)
     finally:

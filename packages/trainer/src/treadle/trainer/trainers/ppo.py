@@ -314,17 +314,18 @@ class PPOTrainer:
     def _first_sync(self, state: TrainState) -> None:
         """Bring the engines to the trainer's weights before the first rollout.
 
-        Engine versions only grow, and a daemon may outlive runs (``--vllm.endpoint``): a fresh
-        run on a daemon still at version 0 (serving the starting weights) needs nothing; any
-        other start (a resume, a used daemon) sends the weights as a version newer than both.
+        Engine versions only grow, and a daemon may outlive runs (``--vllm.endpoint``): only a fresh
+        run on the daemon it started itself (version 0, serving the actor's starting weights) needs
+        nothing; any other start (a resume; a daemon given by ``--vllm.endpoint``, which may serve
+        another model) sends the weights as a version newer than both.
         """
         served = 0
         if self.dist.is_main:
             self.p.sync_client.wake()  # a daemon left asleep (a colocated run that died) would refuse work
             served = self.p.sync_client.health()["version"]
         served = int(all_reduce([served], self.dist.device, op="max")[0])
-        if state.global_step == 0 and served == 0:
-            self.version = 0
+        if state.global_step == 0 and served == 0 and self.cfg.vllm.endpoint is None:
+            self.version = 0  # the daemon this run started serves the actor's starting weights
             return
         self.sync_weights(max(self.version, served) + 1)
 
