@@ -59,8 +59,10 @@ bench: $(STAMP) $(SMALL)/config.json
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q tools/bench --benchmark-only --benchmark-columns=min,median,mean,ops,rounds --benchmark-json=.cache/bench.json -m "bench"
 	$(PY) tools/bench/report.py .cache/bench.json
 
+# SFT the tiny model on generated additions, GRPO it through the daemons, compare accuracy (runs/demo/).
+# Reruns train again and reuse .venv and the model; exits non-zero unless accuracy rises.
 demo: $(STAMP) $(TINY)/config.json
-	$(PY) tools/demo.py --model $(TINY)
+	$(PY) tools/demo.py --model $(TINY) --out runs/demo
 
 lint: $(STAMP)
 	$(PY) -m ruff check packages integration tools

@@ -1,112 +1,251 @@
-"""Interim demo: generate token-in/token-out with logprobs from a tiny model on vLLM's CPU build.
+"""`make demo`: SFT a tiny model on generated additions, then GRPO it with a math verifier.
 
-    make demo    # builds .cache/models/tiny, then runs this with --model .cache/models/tiny
+    make demo                                  # builds .venv and .cache/models/tiny, then runs this
+    .venv/bin/python tools/demo.py --help      # sizes, rates, the teacher's error rate
 
-Renders a few chat prompts with the model's chat template, hands vLLM the token ids (never
-text), and prints prompt / completion / mean sampled-token logprob, plus how long start-up and
-generation took. The model is random, so completions are noise; the point is that the pipeline
-(tokenizer, template, engine, logprobs) works on a fresh machine in seconds. The real RL
-end-to-end demo replaces this once the trainer exists.
+Steps, each with a progress bar and its time: (a) build the tiny model if missing; (b) generate
+the dataset (``demo_task``: a teacher that forgets half its carries writes the SFT answers; RL
+and eval prompts carry the true sums); (c) ``treadle-train sft``; (d) start ``treadle-rollout
+serve`` (vLLM's CPU build) on the SFT model and measure held-out accuracy; (e) ``treadle-train
+ppo`` as GRPO on that daemon (ZeroMQ rollouts, the built-in ``math`` verifier reward, DeepSpeed
+ZeRO-2, a gloo weight broadcast after every step); (f) start a fresh daemon on the exported model
+and measure again (its weight digest is checked against the one the broadcasts produced);
+(g) print the before/after table and write ``results.json`` and ``demo.png``. Everything lands
+in ``--out`` (runs/demo); the trainers' and daemons' logs in its ``logs/``.
+
+Exit status 0 when greedy accuracy after GRPO is above before, 1 when not, 2 when a step failed.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import os
+import shutil
 import time
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
+import demo_report
 import tyro
 import vllm_cpu
-
-if TYPE_CHECKING:
-    from vllm import LLM
-
-PROMPTS = (
-    ("user", "What is 3+4?"),
-    ("user", "Tell me about the moon."),
-    ("system", "You solve arithmetic problems step by step.", "user", "What is 12*7?"),
-    ("user", "Hello!"),
+from demo_steps import (
+    Daemon,
+    EvalResult,
+    Recipe,
+    StepFailed,
+    evaluate,
+    ppo_command,
+    run_logged,
+    sft_command,
 )
+from demo_task import DataFiles, Dataset, TaskConfig, make_dataset, write_dataset
+from tiny_model import PresetName, build
+
+OUTPUTS = ("data", "sft", "rl", "logs", "results.json", "demo.png")  # what a rerun replaces under --out
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Args:
-    """Generate from a local model with vLLM on CPU and print logprobs."""
+    """SFT then GRPO a tiny model on additions; print accuracy before and after GRPO."""
 
-    model: Path = Path(".cache/models/tiny")  # folder written by tools/make_tiny_model.py
-    max_tokens: int = 16  # new tokens per prompt
-    temperature: float = 1.0  # sampling temperature (logprobs are of the unscaled distribution)
-    seed: int = 0  # sampling seed of the first prompt (prompt i uses seed + i * n)
-    n: int = 2  # samples per prompt
+    model: Path = Path(".cache/models/tiny")  # starting model; built (random init) when missing
+    preset: PresetName = "tiny"  # tools/tiny_model.py preset used when the model is built here
+    out: Path = Path("runs/demo")  # run folder (its previous demo outputs are replaced)
+    eval_size: int = 500  # held-out problems
+    carry_error: float = 0.5  # share of carrying SFT answers where the teacher forgets the carry
+    require_improvement: bool = True  # exit 1 unless greedy accuracy rises (tests of the plumbing turn it off)
+    recipe: Recipe = field(default_factory=Recipe)
+
+
+class Steps:
+    """One progress bar per step (description, bar, count, elapsed, status); records timings."""
+
+    def __init__(self) -> None:
+        from rich.console import Console  # noqa: PLC0415
+        from rich.progress import (  # noqa: PLC0415
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            SpinnerColumn,
+            TextColumn,
+            TimeElapsedColumn,
+        )
+
+        self.console = Console()
+        if not self.console.is_terminal:  # a log file or CI: room for the bar and the status column
+            self.console = Console(width=140)
+        self.progress = Progress(SpinnerColumn(finished_text="[green]✓"), TextColumn("{task.description:<40}"),
+                                 BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                                 TextColumn("{task.fields[status]}"), console=self.console)
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def step(self, name: str, total: int | None = None) -> Iterator[Any]:
+        task = self.progress.add_task(name, total=total, status="")
+        start = time.perf_counter()
+
+        def update(advance: float = 0, completed: float | None = None, status: str | None = None) -> None:
+            fields: dict[str, Any] = {"advance": advance}
+            if completed is not None:
+                fields["completed"] = completed
+            if status is not None:
+                fields["status"] = status
+            self.progress.update(task, **fields)
+
+        yield update
+        self.seconds[name] = round(time.perf_counter() - start, 1)
+        done = self.progress.tasks[task].total or 1
+        self.progress.update(task, total=done, completed=done)
+
+
+def _clear(out: Path) -> None:
+    for name in OUTPUTS:
+        path = out / name
+        if path.is_dir():
+            shutil.rmtree(path)
+        elif path.exists():
+            path.unlink()
+
+
+def _ensure_model(args: Args) -> str:
+    if (args.model / "config.json").is_file():
+        return "reused"
+    info = build(args.preset, args.model, seed=0)
+    return f"built {info.num_parameters:,} parameters"
+
+
+def _sft_status(rows: list[dict[str, Any]]) -> str:
+    return f"loss {rows[-1]['loss']:.3f}"
+
+
+def _ppo_status(rows: list[dict[str, Any]]) -> str:
+    evals = [r["eval/pass@1"] for r in rows if "eval/pass@1" in r]
+    text = f"reward {rows[-1].get('reward/mean', float('nan')):.3f}"
+    return text + (f"  eval {evals[-1]:.1%}" if evals else "")
+
+
+def _prepare(args: Args, steps: Steps, env: dict[str, str]) -> tuple[Dataset, DataFiles]:
+    """Steps (a)-(c): the model, the dataset, the SFT run; returns (dataset, its files)."""
+    r, out = args.recipe, args.out
+    with steps.step("(a) tiny model") as s:
+        s(status=_ensure_model(args))
+    with steps.step("(b) dataset") as s:
+        task = TaskConfig(seed=r.seed, eval_size=args.eval_size, sft_rows=r.sft_steps * r.sft_batch,
+                          carry_error=args.carry_error)
+        ds = make_dataset(task)
+        files = write_dataset(ds, out / "data")
+        s(status=f"{len(ds.sft)} SFT rows, {len(ds.rl)} RL prompts, {len(ds.eval)} held out")
+    with steps.step("(c) SFT treadle-train sft", total=r.sft_steps) as s:
+        run_logged("treadle-train sft", sft_command(r, model=args.model, data=files.sft, out=out / "sft"),
+                   out / "logs" / "sft.log", out / "sft" / "ckpt" / "metrics.jsonl",
+                   lambda rows: s(completed=rows[-1]["step"], status=_sft_status(rows)), env)
+    return ds, files
+
+
+def _measure(steps: Steps, name: str, daemon: Daemon, tokenizer: Any, rows: list[dict[str, str]],
+             r: Recipe) -> EvalResult:
+    with steps.step(name, total=2 * len(rows)) as e:
+        result = evaluate(daemon.endpoint, tokenizer, rows, r, lambda: e(advance=1))
+        e(status=f"greedy {result.greedy:.1%}  sampled {result.sampled:.1%}")
+    return result
+
+
+def _grpo(args: Args, steps: Steps, ds: Dataset, files: DataFiles, endpoint: str, env: dict[str, str]) -> list[dict[str, Any]]:
+    """Step (e): ``treadle-train ppo`` on the running daemon; returns its metric rows."""
+    r, out = args.recipe, args.out
+    seen: list[dict[str, Any]] = []
+    with steps.step("(e) GRPO treadle-train ppo", total=r.rl_steps) as g:
+        def on_rows(new: list[dict[str, Any]]) -> None:
+            seen.extend(new)
+            g(completed=new[-1]["step"], status=_ppo_status(seen))
+
+        cmd = ppo_command(r, model=out / "sft" / "model", prompts=files.rl, num_prompts=len(ds.rl),
+                          eval_data=files.eval, endpoint=endpoint, out=out / "rl")
+        return run_logged("treadle-train ppo", cmd, out / "logs" / "ppo.log", out / "rl" / "ckpt" / "metrics.jsonl",
+                          on_rows, env)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class Row:
-    """One sampled completion."""
+class Outcome:
+    """What the steps measured."""
 
-    prompt: str  # last user message
-    completion: str  # decoded completion (special tokens shown)
-    num_tokens: int
-    mean_logprob: float  # mean over completion tokens of log p(token), nats
-
-
-def _messages(turns: tuple[str, ...]) -> list[dict[str, str]]:
-    return [{"role": r, "content": c} for r, c in zip(turns[::2], turns[1::2], strict=True)]
+    before: EvalResult  # the SFT model, served by the first daemon
+    after: EvalResult  # the exported GRPO model, served by a fresh daemon
+    rows: list[dict[str, Any]]  # the GRPO run's metrics.jsonl rows
+    weights_match: bool  # the fresh daemon's weight digest equals the last broadcast's
+    labels: dict[str, str]  # eval prompt -> true sum
 
 
-def generate(llm: LLM, args: Args) -> list[Row]:
-    """Token-in/token-out: template -> ids -> vLLM -> ids + logprobs -> rows."""
-    from vllm import SamplingParams, TokensPrompt
+def run(args: Args, steps: Steps) -> Outcome:
+    """Every step in order."""
+    r, out = args.recipe, args.out
+    env = dict(os.environ)  # vllm_cpu.apply_env() filled in the CPU settings; the children inherit them
+    ds, files = _prepare(args, steps, env)
+    with Daemon(out / "sft" / "model", out / "logs" / "rollout-sft.log", seed=r.seed, env=env) as daemon:
+        with steps.step("(d) rollout daemon on the SFT model") as s:
+            from transformers import AutoTokenizer  # noqa: PLC0415  (loads while the daemon starts)
 
-    tok = llm.get_tokenizer()
-    ids = [tok.apply_chat_template(_messages(t), add_generation_prompt=True, tokenize=True,
-                                   return_dict=False) for t in PROMPTS]
-    # One seed per prompt: a random model's distribution is nearly flat, so a shared seed would
-    # sample the same tokens for every prompt. vLLM seeds sample j of a request with seed + j.
-    params = [SamplingParams(n=args.n, max_tokens=args.max_tokens, temperature=args.temperature,
-                             seed=args.seed + i * args.n, logprobs=0, detokenize=False)
-              for i in range(len(ids))]
-    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in ids], params, use_tqdm=False)
-    rows = []
-    for turns, out in zip(PROMPTS, outs, strict=True):
-        for c in out.outputs:
-            lps = [step[t].logprob for t, step in zip(c.token_ids, c.logprobs, strict=True)]
-            rows.append(Row(prompt=turns[-1], completion=tok.decode(c.token_ids),
-                            num_tokens=len(c.token_ids), mean_logprob=sum(lps) / max(len(lps), 1)))
-    return rows
-
-
-def table(rows: list[Row]) -> str:
-    """A fixed-width text table; completions shown as Python literals (they are random bytes)."""
-    head = f"{'prompt':<26} {'completion':<50} {'tokens':>6} {'mean logprob':>12}"
-    lines = [head, "-" * len(head)]
-    for r in rows:
-        text = repr(r.completion)
-        text = text if len(text) <= 50 else text[:47] + "..."
-        lines.append(f"{r.prompt[:26]:<26} {text:<50} {r.num_tokens:>6} {r.mean_logprob:>12.4f}")
-    return "\n".join(lines)
+            tokenizer = AutoTokenizer.from_pretrained(out / "sft" / "model")
+            daemon.wait_ready()
+            s(status=daemon.endpoint)
+        before = _measure(steps, "    accuracy before GRPO", daemon, tokenizer, ds.eval, r)
+        rows = _grpo(args, steps, ds, files, daemon.endpoint, env)
+        served = daemon.weight_digest()  # what the last weight broadcast left in the engine
+    with Daemon(out / "rl" / "model", out / "logs" / "rollout-rl.log", seed=r.seed, env=env) as daemon:
+        with steps.step("(f) rollout daemon on the exported model") as s:
+            daemon.wait_ready()
+            same = daemon.weight_digest() == served
+            s(status="weights = the last broadcast" if same else "[red]weights differ from the last broadcast")
+        after = _measure(steps, "    accuracy after GRPO", daemon, tokenizer, ds.eval, r)
+    return Outcome(before=before, after=after, rows=rows, weights_match=same,
+                   labels={row["prompt"]: row["label"] for row in ds.eval})
 
 
-def main() -> None:
-    args = tyro.cli(Args)
-    if not (args.model / "config.json").is_file():
-        raise SystemExit(f"no model at {args.model}: run `make models` or "
-                         f"tools/make_tiny_model.py --out {args.model}")
-    vllm_cpu.apply_env()
-    t0 = time.perf_counter()
-    llm = vllm_cpu.start_llm(args.model, seed=args.seed)
-    t1 = time.perf_counter()
+def report(args: Args, steps: Steps, res: Outcome, seconds: float, load: tuple[float, ...]) -> int:
+    """Tables, PNG, results.json; returns the exit status."""
+    before, after = res.before, res.after
+    console = steps.console
+    console.print(demo_report.results_table(before, after, args.eval_size))
+    console.print(demo_report.examples_table(demo_report.example_rows(before, after, res.labels)))
+    png = demo_report.plot(res.rows, before, after, args.out / "demo.png",
+                           f"GRPO on {args.model.name}: greedy accuracy {before.greedy:.1%} -> {after.greedy:.1%}")
+    extra = {"weights_match": res.weights_match, "seconds": {**steps.seconds, "total": round(seconds, 1)},
+             "load_average": {"start": load, "end": os.getloadavg()}, "recipe": dataclasses.asdict(args.recipe),
+             "eval_size": args.eval_size, "carry_error": args.carry_error, "model": str(args.model)}
+    demo_report.write_results(args.out / "results.json", before=before, after=after, extra=extra)
+    console.print(f"{args.out / 'results.json'}, {png}, trainer curves in {args.out / 'rl' / 'ckpt' / 'curves.png'}")
+    if not res.weights_match:
+        console.print("[yellow]the exported model's weights differ from those the last broadcast left in the engine: "
+                      f"a weight-sync or export bug; compare {args.out / 'logs'}")
+    console.print(f"total {seconds:.0f} s (load average {load[0]:.1f} at the start, {os.getloadavg()[0]:.1f} now)")
+    if demo_report.improved(before, after):
+        console.print(f"[green]GRPO raised greedy accuracy {before.greedy:.1%} -> {after.greedy:.1%}")
+        return 0
+    console.print(f"[red]greedy accuracy did not rise ({before.greedy:.1%} -> {after.greedy:.1%}): too few GRPO "
+                  f"steps for this recipe, or a regression; see {args.out / 'demo.png'} and {args.out / 'logs'}")
+    return 1 if args.require_improvement else 0
+
+
+def main() -> int:
+    args = tyro.cli(Args, use_underscores=True)  # flags spelled like treadle-train's
+    vllm_cpu.apply_env()  # OMP_NUM_THREADS=1, offline hub, quiet vLLM: before torch is imported anywhere
+    start, load = time.perf_counter(), os.getloadavg()
+    _clear(args.out)
+    steps = Steps()
     try:
-        rows = generate(llm, args)
-        t2 = time.perf_counter()
-    finally:
-        vllm_cpu.stop_llm(llm)
-    print(table(rows))
-    total = sum(r.num_tokens for r in rows)
-    print(f"\nengine start {t1 - t0:.1f}s; generated {total} tokens for {len(rows)} samples "
-          f"in {t2 - t1:.2f}s ({total / (t2 - t1):.0f} tokens/s)")
+        with steps.progress:
+            res = run(args, steps)
+    except StepFailed as e:
+        steps.console.print(f"[red]{e}")
+        return 2
+    except KeyboardInterrupt:  # the daemons and trainers were stopped on the way out
+        steps.console.print("[red]interrupted")
+        return 130
+    return report(args, steps, res, time.perf_counter() - start, load)
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -2,7 +2,7 @@
 session, and (for the vLLM tests) one in-process vLLM engine per test module.
 
 tools/ is not a package, so its modules are loaded with importlib and registered under their
-file names; that is also how tools/demo.py finds ``vllm_cpu`` when imported here.
+file names.
 """
 
 from __future__ import annotations

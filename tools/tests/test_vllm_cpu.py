@@ -79,12 +79,3 @@ def test_same_seed_same_tokens(llm, sampled):
                             ignore_eos=True, detokenize=False)
     again = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)[0]
     assert [c.token_ids for c in again.outputs] == [c.token_ids for c in out.outputs]
-
-
-def test_demo_prints_a_row_per_sample(tool, llm, capsys):
-    demo = tool("demo")
-    rows = demo.generate(llm, demo.Args(max_tokens=5, n=2))
-    assert len(rows) == 2 * len(demo.PROMPTS)
-    assert all(r.num_tokens <= 5 and -20 < r.mean_logprob < 0 for r in rows)
-    table = demo.table(rows)
-    assert table.count("\n") == len(rows) + 1 and "mean logprob" in table
