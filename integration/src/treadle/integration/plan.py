@@ -162,14 +162,9 @@ def _check(cls: type, args: Sequence[str], where: str) -> Any:
 
 def rollout_flags_from(ppo: Any) -> list[str]:
     """``treadle-rollout serve`` flags for a ppo run's engines, as the trainer's own daemon gets them."""
-    from treadle.trainer.rl.daemon import DTYPES, DaemonSpec, serve_args  # noqa: PLC0415  (no torch)
+    from treadle.trainer.rl.daemon import daemon_spec, serve_args  # noqa: PLC0415  (no torch)
 
-    v = ppo.vllm
-    spec = DaemonSpec(model=ppo.actor.model_name_or_path, engines=v.num_engines, backend=v.backend,
-                      tensor_parallel_size=v.tensor_parallel_size, dtype=DTYPES[ppo.ds.param_dtype],
-                      max_model_len=ppo.max_len, gpu_memory_utilization=v.gpu_memory_utilization,
-                      enable_prefix_caching=v.enable_prefix_caching, enforce_eager=v.enforce_eager,
-                      enable_sleep=v.enable_sleep, seed=ppo.train.seed)
+    spec = daemon_spec(ppo)
     items = flag_items(serve_args(spec, _PLACEHOLDER))
     return [t for flag, values in items if flag != "--endpoint" for t in (flag, *values)]
 
