@@ -168,13 +168,17 @@ def test_2000_concurrent_requests_from_8_clients_none_lost(hf_daemon, aio):
     async def scenario():
         return await asyncio.gather(*(one_client(c) for c in range(clients)))
 
+    hf_daemon.wait_ready(aio, engines=2)  # an earlier test may have left an engine waking up
     out = aio(scenario(), timeout=300)
     keys = [r.key for per_client in out for res in per_client for r in res]
     assert len(keys) == clients * per and len(set(keys)) == clients * per
     assert all(len(res) == 1 and res[0].index == 0 and len(res[0].response_token_ids) >= 1
                for per_client in out for res in per_client)
     stats = hf_daemon.call(aio, lambda rc: rc.stats())
-    assert stats["in_flight"] == 0 and {e["engine_id"] for e in stats["engines"] if e["tokens_generated"]} == {"e0", "e1"}
+    # each result names the engine that produced it (the engines' token counters in stats only
+    # refresh on the next health check, so they can lag behind the batch on a loaded machine)
+    served = {res[0].engine_id for per_client in out for res in per_client}
+    assert stats["in_flight"] == 0 and served == {"e0", "e1"}, (served, stats["engines"])
 
 
 def test_update_then_kill_9_one_engine_during_512_requests(hf_daemon, aio, models, ref, tools):
