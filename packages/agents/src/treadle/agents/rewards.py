@@ -13,21 +13,61 @@ the same three)::
                                                     "scores", "extra_logs"}
 
 Every source scores one sample per call (the daemon batches concurrent calls itself) and answers
-a ``Score``; a failure raises ``RewardFailed`` (the executor records a failed episode).
+a ``Score``; a failure raises ``RewardFailed`` (the executor records a failed episode). The two
+remote sources retry what may pass (the daemon killed and restarted, a timeout, ``Busy``, an HTTP
+5xx or a dropped connection) for up to ``retry_s`` seconds, each attempt limited to ``timeout_s``;
+the daemon gets the same idempotency key on every attempt, so a sample it already scored is
+answered from its cache instead of scored twice.
 """
 
 from __future__ import annotations
 
 import asyncio
 import inspect
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
 
 
+log = logging.getLogger(__name__)
+
+TIMEOUT_S = 60.0
+"""Default limit of one attempt at a remote reward."""
+RETRY_S = 600.0
+"""Default time a remote reward is retried before the sample counts as failed."""
+
+
 class RewardFailed(RuntimeError):
     """The reward source could not score a sample."""
+
+
+def backoff_s(attempt: int, first: float = 0.5, cap: float = 5.0) -> float:
+    """Wait before retry number ``attempt`` (1, 2, ...): ``min(cap, first * 2**(attempt-1))``."""
+    return min(cap, first * 2.0 ** (attempt - 1))
+
+
+async def retrying(call: Callable[[], Awaitable[Any]], *, retry_s: float, what: str,
+                   retryable: Callable[[BaseException], bool]) -> Any:
+    """``await call()``, again after a back-off while it raises a ``retryable`` error and fewer
+    than ``retry_s`` seconds have passed; then ``RewardFailed`` naming ``what`` and the last error."""
+    deadline = time.monotonic() + retry_s
+    attempt = 0
+    while True:
+        try:
+            return await call()
+        except Exception as e:
+            attempt += 1
+            wait = backoff_s(attempt)
+            if not retryable(e) or time.monotonic() + wait > deadline:
+                tries = f"after {attempt} attempt(s) over {retry_s:g} s" if retryable(e) else "(not retryable)"
+                raise RewardFailed(f"{what} {tries}: {type(e).__name__}: {e}") from e
+            log.warning("%s: attempt %d failed (%s: %s); retrying in %.1f s", what, attempt, type(e).__name__, e, wait)
+            await asyncio.sleep(wait)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -82,16 +122,20 @@ class FunctionReward:
 
 
 class DaemonReward:
-    """``treadle-rewards serve`` over ZeroMQ (``treadle.rewards.client.RewardClient``)."""
+    """``treadle-rewards serve`` over ZeroMQ (``treadle.rewards.client.RewardClient``), retried."""
 
-    def __init__(self, endpoint: str, *, timeout_s: float | None = None) -> None:
+    def __init__(self, endpoint: str, *, timeout_s: float = TIMEOUT_S, retry_s: float = RETRY_S) -> None:
         from treadle.rewards.client import RewardClient  # noqa: PLC0415
 
         self.client = RewardClient(endpoint, timeout_s=timeout_s)
         self.endpoint = endpoint
+        self.retry_s = retry_s
 
     async def score(self, query: str, prompt: str, label: Any) -> Score:
-        res = await self.client.score([query], [prompt], [label])
+        key = uuid.uuid4().hex  # one per sample, kept across attempts (the daemon's idempotency cache)
+        res = await retrying(lambda: self.client.score([query], [prompt], [label], key=key),
+                             retry_s=self.retry_s, what=f"reward daemon {self.endpoint}",
+                             retryable=lambda e: bool(getattr(e, "retryable", False)) and not self.client.closed)
         if res.failed and res.failed[0]:
             raise RewardFailed(f"reward daemon {self.endpoint}: {res.errors[0] if res.errors else 'failed'}")
         reward = _first(res.rewards)
@@ -102,13 +146,22 @@ class DaemonReward:
         await self.client.close()
 
 
+def _http_retryable(e: BaseException) -> bool:
+    """Connection errors, timeouts and 5xx may pass on a retry; a 4xx (our request is wrong) won't."""
+    import aiohttp  # noqa: PLC0415
+
+    if isinstance(e, aiohttp.ClientResponseError):
+        return e.status >= 500 or e.status == 429
+    return isinstance(e, (aiohttp.ClientError, asyncio.TimeoutError))
+
+
 class HttpReward:
     """A remote reward URL with OpenRLHF's ``/get_reward`` JSON contract (aiohttp, retried)."""
 
-    def __init__(self, url: str, *, timeout_s: float = 180.0, attempts: int = 3) -> None:
+    def __init__(self, url: str, *, timeout_s: float = TIMEOUT_S, retry_s: float = RETRY_S) -> None:
         self.url = url
         self.timeout_s = timeout_s
-        self.attempts = attempts
+        self.retry_s = retry_s
         self._session: Any = None
 
     async def _post(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -116,16 +169,13 @@ class HttpReward:
 
         if self._session is None:
             self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout_s))
-        last: Exception | None = None
-        for attempt in range(self.attempts):
-            try:
-                async with self._session.post(self.url, json=body) as resp:
-                    resp.raise_for_status()
-                    return await resp.json()
-            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-                last = e
-                await asyncio.sleep(0.2 * (attempt + 1))
-        raise RewardFailed(f"reward URL {self.url}: {self.attempts} attempts failed: {last}")
+
+        async def once() -> dict[str, Any]:
+            async with self._session.post(self.url, json=body) as resp:
+                resp.raise_for_status()
+                return await resp.json()
+
+        return await retrying(once, retry_s=self.retry_s, what=f"reward URL {self.url}", retryable=_http_retryable)
 
     async def score(self, query: str, prompt: str, label: Any) -> Score:
         d = await self._post({"query": [query], "prompts": [prompt], "labels": [label]})
@@ -143,10 +193,10 @@ class HttpReward:
             self._session = None
 
 
-def reward_source(ref: str) -> RewardSource:
-    """The source a reference names (see the module docstring)."""
+def reward_source(ref: str, *, timeout_s: float = TIMEOUT_S, retry_s: float = RETRY_S) -> RewardSource:
+    """The source a reference names (see the module docstring); remote ones retry as it says."""
     if ref.startswith(("http://", "https://")):
-        return HttpReward(ref)
+        return HttpReward(ref, timeout_s=timeout_s, retry_s=retry_s)
     if ref.startswith(("tcp://", "ipc://")):
-        return DaemonReward(ref)
+        return DaemonReward(ref, timeout_s=timeout_s, retry_s=retry_s)
     return FunctionReward(ref)

@@ -52,6 +52,11 @@ class RewardClient:
         """Rewards for ``queries`` (prompt + response texts) with their prompts and labels."""
         return _check(await self._rpc.call(METHOD, make_request(queries, prompts, labels, key), timeout=timeout))
 
+    @property
+    def closed(self) -> bool:
+        """True after ``close()``: every call raises ``ServiceClosed`` (retrying is pointless)."""
+        return self._rpc.closed
+
     async def health(self) -> dict[str, Any]:
         reply = await self._rpc.call("health")
         return dict(reply.args) if isinstance(reply, Control) else {}

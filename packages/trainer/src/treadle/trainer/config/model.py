@@ -233,6 +233,11 @@ class RewardConfig:
     """Reward model(s), comma-separated; the first also initialises the critic."""
     remote_url: str | None = None
     """HTTP reward endpoint(s), comma-separated, or a .py file defining reward_func."""
+    timeout_s: float = 60.0
+    """Limit of one call to a remote reward (reward daemon or URL)."""
+    retry_s: float = 600.0
+    """A remote reward that fails in a way that may pass (down, restarting, timed out, busy) is
+    retried for this long before the sample counts as failed."""
     num_nodes: int = 1
     """Nodes of the reward-model group."""
     num_gpus_per_node: int = 8
@@ -253,6 +258,9 @@ class RewardConfig:
     def __post_init__(self) -> None:
         _check_model(self)
         _check_placement(self)
+        if not self.timeout_s > 0 or self.retry_s < 0:
+            raise ConfigError(f"--reward.timeout_s must be > 0 and --reward.retry_s >= 0, got "
+                              f"{self.timeout_s} and {self.retry_s}")
         low, high = self.clip_range
         if not low < high:
             raise ConfigError(f"--clip_range must be low < high, got {list(self.clip_range)}")

@@ -159,7 +159,8 @@ def executor(cfg: PPOConfig, *, sampler: Any, chat: Any, sampling: SamplingParam
         if len(cfg.reward.remote_urls) > 1:
             raise ConfigError(f"--reward.remote_url lists {len(cfg.reward.remote_urls)} sources; give one "
                               "(combine several rewards in one function file or reward server)")
-        reward = reward_source(cfg.reward.remote_urls[0])
+        reward = reward_source(cfg.reward.remote_urls[0], timeout_s=cfg.reward.timeout_s,
+                               retry_s=cfg.reward.retry_s)
     return SingleTurnExecutor(reward=reward, sampler=sampler, chat=chat, sampling=sampling, config=config)
 
 
