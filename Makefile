@@ -21,7 +21,7 @@ export MPLCONFIGDIR := $(CURDIR)/.cache/matplotlib
 TINY := .cache/models/tiny
 SMALL := .cache/models/small
 
-.PHONY: venv test test-slow test-gpu bench demo lint models clean
+.PHONY: venv test test-slow test-gpu chaos bench demo lint models clean
 
 venv: $(STAMP)
 
@@ -47,10 +47,14 @@ $(SMALL)/config.json: tools/make_tiny_model.py tools/tiny_model.py tools/data/co
 
 test: $(STAMP)
 	$(PY) tools/check_imports.py
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "not slow and not gpu and not bench" -p no:randomly
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "not slow and not gpu and not bench and not chaos" -p no:randomly
 
 test-slow: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "slow and not gpu"
+
+# Faults, fuzzing, load and security across the daemons; figures printed and in .cache/chaos/.
+chaos: $(STAMP)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m chaos integration/tests/chaos -p no:randomly
 
 test-gpu:
 	python3 -m pytest -q -m gpu
