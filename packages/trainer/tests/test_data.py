@@ -188,3 +188,42 @@ def test_step_order_is_deterministic_disjoint_and_resumable():
 def test_eval_share_pads_with_weightless_fillers():
     assert eval_share(5, 2, 0) == ([0, 2, 4], 0)
     assert eval_share(5, 2, 1) == ([1, 3, 1], 1)
+
+
+def test_sample_cache_round_trips_every_field_without_pickle(tmp_path):
+    from treadle.trainer.data import cache
+
+    samples = [Sample(seqs=(TokenSeq.of([5, 6, 7], [False, True, True]), TokenSeq.of([5, 9], [False, True])),
+                      index=0, margin=0.5, desirable=False),
+               Sample(seqs=(TokenSeq.of([1, 2], [False, True]), TokenSeq.of([3, 4, 8, 8], [False, False, True, True])),
+                      index=1)]
+    path = cache.save(tmp_path / "c" / "x.npz", {"train": samples, "eval": []}, dropped=3)
+    splits, dropped = cache.load(path)
+    assert dropped == 3 and splits["eval"] == [] and not list(path.parent.glob(".*tmp"))
+    for a, b in zip(samples, splits["train"], strict=True):
+        assert (a.index, a.margin, a.desirable, len(a.seqs)) == (b.index, b.margin, b.desirable, len(b.seqs))
+        for qa, qb in zip(a.seqs, b.seqs, strict=True):
+            assert qb.ids.dtype == np.int64 and np.array_equal(qa.ids, qb.ids) and np.array_equal(qa.target, qb.target)
+    with np.load(path, allow_pickle=False) as z:  # plain arrays only: loading never unpickles
+        assert all(z[k].dtype != object for k in z.files)
+
+
+def test_cache_fingerprint_follows_files_tokenizer_and_settings(tmp_path, tokenizer):
+    import copy
+    import os
+
+    from treadle.trainer.data import cache
+
+    f = _jsonl(tmp_path / "d.jsonl", [{"a": "x"}])
+
+    def key(tok=tokenizer, settings=None) -> str:
+        stamps = [cache.file_stamp(str(f), [f]), cache.file_stamp("org/hub-name", None)]
+        return cache.fingerprint(settings=settings or {"max_len": 8}, tokenizer=tok, stamps=stamps)
+
+    base = key()
+    assert key() == base and key(settings={"max_len": 9}) != base
+    other = copy.deepcopy(tokenizer)
+    other.chat_template = "{{ messages }}"
+    assert key(tok=other) != base
+    os.utime(f, ns=(f.stat().st_atime_ns, f.stat().st_mtime_ns + 10**9))  # the data file changed
+    assert key() != base

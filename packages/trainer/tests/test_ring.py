@@ -69,7 +69,8 @@ def test_recipes_without_ring_support_still_refuse_it():
     from treadle.common.config import ConfigError
     from treadle.trainer.trainers.build import _refuse_unavailable
 
-    ds = SimpleNamespace(ring_attn_size=2, use_liger_kernel=False, use_universal_ckpt=False, enable_sleep=False)
+    ds = SimpleNamespace(ring_attn_size=2, use_liger_kernel=False, use_universal_ckpt=False, enable_sleep=False,
+                         tensor_parallel_size=1)
     cfg = SimpleNamespace(ds=ds, actor=SimpleNamespace(aux_loss_coef=0.0))
     _refuse_unavailable(cfg, ring_supported=True)
     with pytest.raises(ConfigError, match="ring_attn_size"):

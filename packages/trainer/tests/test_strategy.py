@@ -7,12 +7,16 @@ import torch
 
 from treadle.common.config import ConfigError
 from treadle.trainer.config import parse_sft
-from treadle.trainer.config.deepspeed import DeepSpeedConfig
+from treadle.trainer.config.deepspeed import DeepSpeedConfig, LoraConfig
 from treadle.trainer.config.optim import OptimizerConfig
 from treadle.trainer.strategy.deepspeed import (
+    build_engine,
     build_optimizer,
     build_scheduler,
+    check_autotp,
+    check_deepcompile,
     ds_config,
+    frozen_config,
     grad_accum_steps,
 )
 
@@ -29,7 +33,8 @@ def test_zero_stages_offload_precision_and_passthroughs():
     zero = cfg["zero_optimization"]
     assert zero["stage"] == 3 and zero["offload_optimizer"]["device"] == "cpu" and zero["offload_param"]["device"] == "cpu"
     assert zero["zero_hpz_partition_size"] == 8 and zero["overlap_comm"] and cfg["bf16"]["enabled"]
-    assert cfg["tensor_parallel"] == {"autotp_size": 2} and cfg["compile"] == {"deepcompile": True}
+    assert cfg["tensor_parallel"] == {"autotp_size": 2, "vocab_parallel_lm_head": False}  # full-vocab logits
+    assert "train_batch_size" not in cfg and cfg["compile"] == {"deepcompile": True}
     assert cfg["data_types"] == {"grad_accum_dtype": "fp32"}
     assert ds_config(ds, None, micro_batch=1, grad_accum=1, world=1)["gradient_clipping"] == 0.0
 
@@ -61,3 +66,53 @@ def test_optimizer_skips_decay_on_vectors_and_schedule_warms_up():
     assert lrs[0] == 0.0 and max(lrs) == pytest.approx(1e-3) and lrs[-1] >= 1e-4 * 0.99  # min_lr_ratio 0.1
     with pytest.raises(ConfigError, match="--optim muon"):
         build_optimizer(model, parse_sft(["--actor.model_name_or_path", "m", "--data.dataset", "d", "--optim", "muon"]), offload=False)
+
+
+def test_frozen_reference_config_is_zero3_without_optimizer():
+    ds = DeepSpeedConfig(zero_stage=3, param_dtype="bf16")
+    cfg = frozen_config(ds, offload=True, world=4, hidden_size=64)
+    zero = cfg["zero_optimization"]
+    assert zero["stage"] == 3 and zero["offload_param"]["device"] == "cpu" and "offload_optimizer" not in zero
+    assert zero["stage3_param_persistence_threshold"] == 640 and cfg["train_batch_size"] == 4 and cfg["bf16"]["enabled"]
+    assert "offload_param" not in frozen_config(ds, offload=False, world=1, hidden_size=None)["zero_optimization"]
+
+
+def test_deepcompile_is_refused_on_cpu_and_without_zero():
+    check_deepcompile(DeepSpeedConfig(deepcompile=False), "cpu")  # off: nothing to check
+    check_deepcompile(DeepSpeedConfig(deepcompile=True, zero_stage=3), "cuda")
+    with pytest.raises(ConfigError, match=r"--ds.deepcompile needs CUDA: .* this run's is cpu"):
+        check_deepcompile(DeepSpeedConfig(deepcompile=True), "cpu")
+    with pytest.raises(ConfigError, match="--ds.deepcompile needs --ds.zero_stage 1, 2 or 3"):
+        check_deepcompile(DeepSpeedConfig(deepcompile=True, zero_stage=0), "cuda")
+    cfg = parse_sft(["--actor.model_name_or_path", "m", "--data.dataset", "d", "--ds.deepcompile"])
+    with pytest.raises(ConfigError, match="--ds.deepcompile needs CUDA"):  # before DeepSpeed is asked anything
+        build_engine(torch.nn.Linear(2, 2), cfg.ds, cfg, micro_batch=1, grad_accum=1, world=1, total_steps=1)
+
+
+def test_autotp_combinations_that_cannot_train_are_refused():
+    from types import SimpleNamespace
+
+    model = torch.nn.Linear(2, 2)
+    model.config = SimpleNamespace(num_key_value_heads=1)
+    check_autotp(DeepSpeedConfig(zero_stage=2, tensor_parallel_size=2), model)  # works: a rank without heads
+    with pytest.raises(ConfigError, match="--ds.tensor_parallel_size 2 exceeds the model's 1 key/value heads"):
+        check_autotp(DeepSpeedConfig(zero_stage=3, tensor_parallel_size=2), model)
+    with pytest.raises(ConfigError, match="AutoTP and ring attention"):
+        DeepSpeedConfig(tensor_parallel_size=2, ring_attn_size=2, packing_samples=True)
+    with pytest.raises(ConfigError, match="AutoTP shards the linear layers LoRA adapts"):
+        DeepSpeedConfig(tensor_parallel_size=2, lora=LoraConfig(rank=4))
+
+
+@pytest.mark.parametrize("recipe", ["rm", "ppo"])
+def test_recipes_without_autotp_refuse_it(recipe, tmp_path):
+    from treadle.trainer import config
+    from treadle.trainer.trainers import ppo_build, rm
+
+    argv = ["--actor.model_name_or_path", "m", "--ds.tensor_parallel_size", "2", "--ckpt.path", str(tmp_path)]
+    if recipe == "rm":
+        with pytest.raises(ConfigError, match=r"--ds.tensor_parallel_size > 1 \(AutoTP\): not available"):
+            rm.build_trainer(config.parse_rm([*argv, "--data.dataset", "d"]))
+    else:
+        with pytest.raises(ConfigError, match=r"--ds.tensor_parallel_size > 1 \(AutoTP\): not available"):
+            ppo_build.build_parts(config.parse_ppo([*argv, "--data.prompt_dataset", "d", "--reward.remote_url", "x",
+                                                    "--algo.advantage.estimator", "reinforce"]))

@@ -1,7 +1,7 @@
 """Exporting trained weights in Hugging Face format (safetensors + config + tokenizer).
 
-``full_state_dict`` collects the weights on rank 0 (gathering ZeRO-3 shards, merging LoRA
-adapters); ``save_causal_lm`` / ``save_reward_model`` write a folder that
+``full_state_dict`` collects the weights on rank 0 (gathering ZeRO-3 and AutoTP shards, merging
+LoRA adapters); ``save_causal_lm`` / ``save_reward_model`` write a folder that
 ``AutoModelForCausalLM`` / ``AutoModelForSequenceClassification`` and vLLM load, atomically
 (``atomic.publish``). The weights are placed into a skeleton built on the meta device, so no
 second full copy of the model is initialised.
@@ -36,6 +36,10 @@ def _merged(module: torch.nn.Module) -> torch.nn.Module:
 def full_state_dict(engine: Any, *, zero_stage: int, is_main: bool) -> dict[str, torch.Tensor] | None:
     """Every weight of ``engine.module`` on the CPU on rank 0 (None elsewhere); all ranks must call it."""
     module = engine.module
+    if getattr(engine, "autotp_size", lambda: 1)() > 1:
+        # AutoTP shards are gathered (with ZeRO-3's partitions) by DeepSpeed's own consolidation;
+        # named "16bit", it returns the parameters in their training dtype.
+        return engine._consolidated_16bit_state_dict()  # noqa: SLF001
     if zero_stage == 3:
         if _has_peft(module):
             return _zero3_merged(module, is_main)

@@ -60,11 +60,11 @@ class DeepSpeedConfig:
     overlap_comm: bool = False
     """Overlap gradient reduction with the backward pass."""
     deepcompile: bool = False
-    """Enable DeepSpeed's deepcompile."""
+    """Compile the model with DeepSpeed's deepcompile (CUDA and ZeRO stage 1-3 only)."""
     enable_sleep: bool = False
     """Offload model and optimizer states between phases when models share GPUs (colocation)."""
     tensor_parallel_size: int = 1
-    """DeepSpeed AutoTP degree."""
+    """DeepSpeed AutoTP degree: consecutive ranks that split each linear layer and see the same batches (SFT, DPO, KTO)."""
     packing_samples: bool = False
     """Pack several samples into one row without padding (needed by ring attention and dynamic batches)."""
     ring_attn_size: int = 1
@@ -88,6 +88,12 @@ class DeepSpeedConfig:
                 raise ConfigError(f"--{name} must be >= 1, got {getattr(self, name)}")
         if self.ring_attn_size > 1 and not self.packing_samples:
             raise ConfigError(f"--ring_attn_size {self.ring_attn_size} needs --packing_samples")
+        if self.tensor_parallel_size > 1 and self.ring_attn_size > 1:
+            raise ConfigError("--tensor_parallel_size > 1 with --ring_attn_size > 1: AutoTP and ring attention "
+                              "are not combined; pick one")
+        if self.tensor_parallel_size > 1 and self.lora.rank > 0:
+            raise ConfigError("--tensor_parallel_size > 1 with --lora.rank > 0: AutoTP shards the linear layers "
+                              "LoRA adapts; not supported")
         if self.load_in_4bit and self.lora.rank == 0:
             raise ConfigError("--load_in_4bit needs LoRA: 4-bit base weights cannot be trained; set --lora.rank")
         if self.param_offload and self.zero_stage != 3:

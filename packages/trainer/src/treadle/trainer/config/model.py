@@ -118,7 +118,7 @@ class FrozenRefConfig:
     model_name_or_path: str | None = None
     """Reference weights; None: the policy's starting weights."""
     offload: bool = False
-    """Keep the reference model in CPU memory between uses."""
+    """Keep the reference in CPU memory: its ZeRO-3 parameter shards (ZeRO param offload) under --ds.zero_stage 3, else the whole replica between uses."""
     precompute_enable: bool = False
     """Compute every reference log-prob once before training, then free the reference model."""
 
@@ -218,7 +218,7 @@ class RefConfig:
     num_gpus_per_node: int = 8
     """GPUs per node of the reference group."""
     offload: bool = False
-    """Keep the reference model in CPU memory between uses."""
+    """Keep the reference in CPU memory: its ZeRO-3 parameter shards (ZeRO param offload) under --ds.zero_stage 3, else the whole replica between uses."""
 
     def __post_init__(self) -> None:
         _check_model(self)

@@ -101,6 +101,16 @@ def read_file(file: Path) -> list[Row]:
     return [Row(data=r, file=str(file), index=i) for i, r in enumerate(table)]
 
 
+def data_files(spec: str, split: str = "train") -> list[Path] | None:
+    """The local files ``load_rows(spec, split)`` reads; None when ``spec`` is a hub name."""
+    path = Path(spec).expanduser()
+    if path.is_file():
+        return [path]
+    if path.is_dir():
+        return split_files(path, split)
+    return None
+
+
 def load_rows(spec: str, split: str = "train") -> list[Row]:
     """Rows of one dataset spec (file, folder or hub name) and split."""
     path = Path(spec).expanduser()

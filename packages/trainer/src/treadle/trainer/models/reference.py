@@ -1,12 +1,22 @@
 """The frozen reference policy of DPO / KTO (and PPO's KL term): log-probs without gradients.
 
-With ``offload`` its weights live in CPU memory and visit the accelerator only while it
-computes (on a CPU-only machine that is a no-op). It is never wrapped by DeepSpeed: a
-reference that needs ZeRO-3 sharding is not supported yet. Under ring attention (``ring``)
-it scores the rank's slots of each packed row and gathers the full row's log-probs.
+Two placements, chosen by the caller (``trainers.build.reference``) from ``--ds.zero_stage``:
+
+- a replica (stages 0-2): every rank holds the whole model; with ``offload`` its weights live in
+  CPU memory and visit the accelerator only while it computes (a no-op on a CPU-only machine);
+- sharded (stage 3, ``sharded=True``): ``module`` is a ZeRO-3 DeepSpeed engine without optimizer
+  (``strategy.deepspeed.build_frozen_engine``); each rank holds 1/W of the parameters (in CPU
+  memory with ``--ref.offload``) and every forward gathers them collectively, so **every rank
+  must call** ``logprobs`` **the same number of times** (the trainers keep their micro-batch
+  counts equal across ranks for the same reason).
+
+Under ring attention (``ring``) it scores the rank's slots of each packed row and gathers the
+full row's log-probs. Not here: building the DeepSpeed engine (``strategy``).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -19,13 +29,16 @@ from treadle.trainer.ring.group import RingGroup
 class Reference:
     """A frozen causal LM that scores batches."""
 
-    def __init__(self, module: torch.nn.Module, device: torch.device, *, offload: bool = False,
-                 ring: RingGroup | None = None) -> None:
-        self.module = module.eval().requires_grad_(False)
+    def __init__(self, module: Any, device: torch.device, *, offload: bool = False,
+                 ring: RingGroup | None = None, sharded: bool = False) -> None:
+        self.module = module
         self.device = device
-        self.offload = offload
+        self.sharded = sharded
+        self.offload = offload and not sharded  # ZeRO offloads a sharded model itself
         self.ring = ring
-        self.module.to("cpu" if offload else device)
+        if not sharded:
+            self.module.eval().requires_grad_(False)
+            self.module.to("cpu" if self.offload else device)
 
     @torch.no_grad()
     def logprobs(self, batch: SeqBatch, temperature: float = 1.0) -> Tensor:
@@ -37,3 +50,8 @@ class Reference:
         finally:
             if self.offload:
                 self.module.to("cpu")
+
+    def close(self) -> None:
+        """Release a sharded reference's DeepSpeed state (its hooks and partitions)."""
+        if self.sharded:
+            self.module.destroy()

@@ -14,6 +14,9 @@ sampler uses the data-parallel group.) What changes: which samples a rank gets
 (``DataParallel.rank`` / ``.world``), and sums of per-sample metrics, which are all-reduced over
 the data-parallel group so that a ring's samples count once.
 
+AutoTP (``--ds.tensor_parallel_size``) uses the same layout for its data-parallel slots
+(``tensor_parallel_slots``); the two are not combined.
+
 Not here: the split of a row (``ring.layout``), the attention kernel (``ring.attention``).
 """
 
@@ -104,3 +107,22 @@ def data_parallel(dist: DistInfo, ring: RingGroup | None) -> DataParallel:
     if ring is None:
         return DataParallel(rank=dist.rank, world=dist.world, group=None)
     return DataParallel(rank=dist.rank // ring.size, world=dist.world // ring.size, group=ring.dp_group)
+
+
+def tensor_parallel_slots(size: int, dist: DistInfo) -> DataParallel:
+    """This rank's data-parallel slot under DeepSpeed's AutoTP of ``size`` (collective).
+
+    AutoTP lays ranks out as DeepSpeed's (data, tensor) mesh: tensor-parallel groups of ``size``
+    consecutive ranks, the same layout as rings. The ranks of a group must see the same batches
+    (DeepSpeed checks the first one); unlike a ring's, their gradients are averaged by DeepSpeed
+    over the data-parallel group only. ``size`` 1: the whole world.
+    """
+    if size == 1:
+        return DataParallel(rank=dist.rank, world=dist.world, group=None)
+    if dist.world % size:
+        raise ConfigError(f"--ds.tensor_parallel_size {size} must divide the {dist.world} ranks")
+    import torch.distributed as tdist  # noqa: PLC0415
+
+    slots = [tuple(range(position, dist.world, size)) for position in range(size)]
+    made = {ranks: tdist.new_group(list(ranks)) for ranks in slots}
+    return DataParallel(rank=dist.rank // size, world=dist.world // size, group=made[slots[dist.rank % size]])

@@ -4,8 +4,11 @@
 JSON dict (pure, testable without DeepSpeed). ``build_engine`` adds the optimizer (torch AdamW,
 or DeepSpeed's CPU Adam when optimizer states are offloaded) and the learning-rate schedule and
 calls ``deepspeed.initialize``. ZeRO stages 0-3, parameter / optimizer offload, bf16 / fp16 /
-fp32, clipping, AutoTP and deepcompile are switches of the same code; the accelerator
-(CUDA + NCCL, or CPU + gloo) comes from DeepSpeed's accelerator detection.
+fp32, clipping, AutoTP (``tensor_parallel.autotp_size``: DeepSpeed shards the model inside
+``initialize``) and deepcompile (``compile.deepcompile`` + ``engine.compile()``; CUDA only) are
+switches of the same code; the accelerator (CUDA + NCCL, or CPU + gloo) comes from DeepSpeed's
+accelerator detection. ``build_frozen_engine`` wraps a frozen model (the reference) in a ZeRO-3
+engine without optimizer.
 
 Under ring attention (``ring.group``) the engine still spans every rank: ring peers hold
 partial gradients of the same parameters, and DeepSpeed's all-rank reduction sums them; only
@@ -133,7 +136,12 @@ def ds_config(ds: DeepSpeedConfig, optim: OptimizerConfig | None, *, micro_batch
     if ds.grad_accum_dtype is not None:
         cfg["data_types"] = {"grad_accum_dtype": ds.grad_accum_dtype}
     if ds.tensor_parallel_size > 1:
-        cfg["tensor_parallel"] = {"autotp_size": ds.tensor_parallel_size}
+        # The log-prob code needs every rank to see the whole vocabulary's logits: a
+        # vocabulary-parallel LM head (DeepSpeed's default for tied embeddings) would leave each
+        # rank a slice. DeepSpeed's batch check counts ranks differently under ZeRO-3 + AutoTP
+        # (all ranks, then the data-parallel ones), so it derives train_batch_size itself.
+        cfg["tensor_parallel"] = {"autotp_size": ds.tensor_parallel_size, "vocab_parallel_lm_head": False}
+        del cfg["train_batch_size"]
     if ds.deepcompile:
         cfg["compile"] = {"deepcompile": True}
     return cfg
@@ -179,11 +187,73 @@ def grad_accum_steps(batch_size: int, micro_batch: int, world: int) -> int:
 
 def build_engine(model: torch.nn.Module, ds: DeepSpeedConfig, optim: OptimizerConfig, *, micro_batch: int,
                  grad_accum: int, world: int, total_steps: int) -> Any:
-    """A training ``DeepSpeedEngine`` around ``model`` with its optimizer and schedule."""
+    """A training ``DeepSpeedEngine`` around ``model`` with its optimizer and schedule (compiled
+    by deepcompile when ``--ds.deepcompile``)."""
     import deepspeed  # noqa: PLC0415
+    from deepspeed.accelerator import get_accelerator  # noqa: PLC0415
 
+    check_deepcompile(ds, get_accelerator().device_name())
+    check_autotp(ds, model)
     optimizer = build_optimizer(model, optim, offload=ds.adam_offload)
     scheduler = build_scheduler(optimizer, optim, total_steps)
     config = ds_config(ds, optim, micro_batch=micro_batch, grad_accum=grad_accum, world=world)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config)
+    if ds.deepcompile:
+        engine.compile()  # the config only enables it: without compile() DeepSpeed runs eagerly
+    return engine
+
+
+def check_deepcompile(ds: DeepSpeedConfig, accelerator: str) -> None:
+    """ConfigError unless deepcompile can run: DeepSpeed 0.19 enables it only on the ``cuda``
+    accelerator (``deepspeed.compile.util.is_deepcompile_supported``) and for ZeRO stages 1-3
+    (stage 0 silently falls back to plain torch.compile)."""
+    if not ds.deepcompile:
+        return
+    if accelerator != "cuda":
+        raise ConfigError(f"--ds.deepcompile needs CUDA: DeepSpeed's deepcompile runs only on the cuda accelerator, "
+                          f"this run's is {accelerator}; drop the flag")
+    if ds.zero_stage == 0:
+        raise ConfigError("--ds.deepcompile needs --ds.zero_stage 1, 2 or 3 (DeepSpeed compiles its ZeRO passes)")
+
+
+def check_autotp(ds: DeepSpeedConfig, model: torch.nn.Module) -> None:
+    """ConfigError for AutoTP layouts DeepSpeed 0.19 cannot train: under ZeRO-3 a rank left without
+    an attention shard (more tensor-parallel ranks than key/value heads) fails in the first forward."""
+    size = ds.tensor_parallel_size
+    heads = getattr(getattr(model, "config", None), "num_key_value_heads", None)
+    if size > 1 and ds.zero_stage == 3 and heads is not None and size > heads:
+        raise ConfigError(f"--ds.tensor_parallel_size {size} exceeds the model's {heads} key/value heads: "
+                          "with --ds.zero_stage 3 every tensor-parallel rank needs an attention shard; "
+                          f"use at most {heads} or ZeRO stage 0-2")
+
+
+def frozen_config(ds: DeepSpeedConfig, *, offload: bool, world: int, hidden_size: int | None) -> dict[str, Any]:
+    """DeepSpeed config of a frozen model sharded with ZeRO-3 (no optimizer): the reference policy.
+
+    ``offload`` keeps the parameter shards in CPU memory (ZeRO param offload). Tensors smaller
+    than 10 x hidden size (norms, biases) stay whole on every rank, the rule transformers'
+    DeepSpeed integration uses for ``stage3_param_persistence_threshold="auto"``: gathering them
+    for every forward costs more latency than their memory is worth.
+    """
+    zero: dict[str, Any] = {"stage": 3}
+    if hidden_size:
+        zero["stage3_param_persistence_threshold"] = 10 * hidden_size
+    if offload:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+    return {
+        "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "train_batch_size": world,
+        "steps_per_print": _NEVER, "wall_clock_breakdown": False, "zero_optimization": zero,
+        "bf16": {"enabled": ds.param_dtype == "bf16"}, "fp16": {"enabled": ds.param_dtype == "fp16"},
+    }
+
+
+def build_frozen_engine(model: torch.nn.Module, ds: DeepSpeedConfig, *, offload: bool, world: int) -> Any:
+    """A ZeRO-3 ``DeepSpeedEngine`` around frozen ``model``, in eval mode (collective: every rank
+    calls it, and afterwards every rank must run the same number of forwards)."""
+    import deepspeed  # noqa: PLC0415
+
+    hidden = getattr(getattr(model, "config", None), "hidden_size", None)
+    config = frozen_config(ds, offload=offload, world=world, hidden_size=hidden)
+    engine, *_ = deepspeed.initialize(model=model.eval().requires_grad_(False), config=config)
+    engine.eval()
     return engine

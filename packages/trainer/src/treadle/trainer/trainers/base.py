@@ -3,13 +3,15 @@
 One optimizer step: this rank's share of the global batch (``data.order``) is cut into
 micro-batches (by count, or by token budget with ``--train.dynamic_batch_enable``; every rank
 runs the same number so ZeRO-3's collective gathers line up), each is padded or packed, and its
-loss is back-propagated; DeepSpeed reduces the gradients and steps at the last one.
+loss is back-propagated; DeepSpeed reduces the gradients and steps at the last one. Under AutoTP
+the ranks of a tensor-parallel group form one data-parallel slot and train on the same samples.
 
 Normalisation (STYLE.md habit 3): before the step, ranks all-reduce ``N``, the number of
 normalising units in the whole step (target tokens for SFT, pairs for RM / DPO, rows for KTO).
 A recipe's ``micro_loss`` returns sum-over-its-units / N, so the micro-batch losses of all ranks
-add up to the step's mean; it is multiplied by the world size before ``backward`` because
-DeepSpeed averages gradients over ranks. Any split of the batch gives the same gradient.
+add up to the step's mean; it is multiplied by the number of ranks DeepSpeed averages gradients
+over (the world; the data-parallel slots under AutoTP) before ``backward``. Any split of the
+batch gives the same gradient.
 
 Ring attention (``Parts.ring``): the ranks of a ring train on the same samples (their
 data-parallel slot's share), each model forward runs on the rank's slots of the packed row and
@@ -48,7 +50,7 @@ from treadle.trainer.data.batching import (
 )
 from treadle.trainer.data.order import StepOrder, eval_share
 from treadle.trainer.data.samples import Sample
-from treadle.trainer.ring.group import RingGroup, data_parallel
+from treadle.trainer.ring.group import DataParallel, RingGroup, data_parallel
 from treadle.trainer.strategy.deepspeed import DistInfo, all_reduce
 
 log = get_logger(__name__)
@@ -96,6 +98,8 @@ class Parts:
     zero_stage: int
     ring: RingGroup | None = None
     """This rank's ring under ring attention (``build.ring_group``); None: off."""
+    dp: DataParallel | None = None
+    """This rank's data-parallel slot (``build.data_parallel_view``); None: from ``ring``."""
 
 
 class SupervisedTrainer:
@@ -108,7 +112,10 @@ class SupervisedTrainer:
         self.loop = parts.loop
         self.pad_id = parts.tokenizer.pad_token_id or 0
         self.ring = parts.ring
-        self.dp = data_parallel(parts.dist, parts.ring)
+        self.dp = parts.dp or data_parallel(parts.dist, parts.ring)
+        # The ranks DeepSpeed averages gradients over: every rank under ring attention (ring
+        # peers hold partial gradients), the data-parallel slots under AutoTP.
+        self.grad_world = self.dp.world * (parts.ring.size if parts.ring is not None else 1)
 
     # -- what a recipe implements ------------------------------------------------------------
 
@@ -155,7 +162,7 @@ class SupervisedTrainer:
         for k, group in enumerate(groups):
             self.engine.set_gradient_accumulation_boundary(k == len(groups) - 1)
             loss, stats = self.micro_loss(self.collate(group), group, max(normaliser, 1.0))
-            self.engine.backward(loss * self.dist.world, scale_wrt_gas=False)
+            self.engine.backward(loss * self.grad_world, scale_wrt_gas=False)
             self.engine.step()
             for name, value in stats.items():
                 sums[name] += float(value)

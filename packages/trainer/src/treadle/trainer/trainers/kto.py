@@ -71,21 +71,22 @@ class KTOTrainer(SupervisedTrainer):
 
 def build_trainer(cfg: KTOConfig) -> KTOTrainer:
     data = cfg.data
-    dist = build.start(cfg, ring_supported=True)
+    dist = build.start(cfg, ring_supported=True, tp_supported=True)
     ring = build.ring_group(cfg, dist)
+    dp = build.data_parallel_view(cfg, dist, ring)
     tok, fmt = build.tokenizer_and_formatter(cfg)
     train, evaluation = build.datasets(cfg, lambda rows: kto_samples(
         rows, fmt, input_key=data.input_key, output_key=data.output_key, label_key=data.label_key,
-        max_len=data.max_len), dist)
+        max_len=data.max_len), dist, tok)
     ref = build_reference(cfg.ref, cfg.actor.model_name_or_path, cfg.ds, dist, {"train": train, "eval": evaluation},
                           local_batches_of(cfg, tok.pad_token_id or 0), ring=ring)
     model = load_causal_lm(cfg.actor.model_name_or_path, cfg.ds, trainable=True,
                            gradient_checkpointing=cfg.actor.gradient_checkpointing_enable,
                            reentrant=cfg.actor.gradient_checkpointing_reentrant)
-    engine, order = build.engine(model, cfg, dist, len(train), ring)
+    engine, order = build.engine(model, cfg, dist, len(train), ring, dp)
     parts = Parts(dist=dist, engine=engine, tokenizer=tok, train_set=train, eval_set=evaluation, order=order,
                   checkpointer=build.checkpointer(cfg, dist), metrics=build.metrics_logger(cfg, dist, "kto"),
-                  loop=build.loop_config(cfg, "eval_loss"), zero_stage=cfg.ds.zero_stage, ring=ring)
+                  loop=build.loop_config(cfg, "eval_loss"), zero_stage=cfg.ds.zero_stage, ring=ring, dp=dp)
     a = cfg.actor
     return KTOTrainer(parts, ref, beta=a.beta, desirable_weight=a.desirable_weight, undesirable_weight=a.undesirable_weight)
 

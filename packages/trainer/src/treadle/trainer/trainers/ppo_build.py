@@ -119,14 +119,14 @@ def engines(cfg: PPOConfig, dist: DistInfo, dp_world: int, total_opt_steps: int)
 
 
 def frozen_models(cfg: PPOConfig, dist: DistInfo, ring: Any) -> tuple[Reference | None, Any | None]:
-    """(reference or None, reward model or None), frozen, on this rank's device."""
+    """(reference or None, reward model or None), frozen; the reference sharded by ZeRO-3 under
+    --ds.zero_stage 3 (``build.reference``), the reward model on this rank's device."""
     from treadle.trainer.models.reward_model import RewardModel  # noqa: PLC0415
 
     reference = None
     if cfg.uses_reference or cfg.algo.kl.use_loss:
         path = cfg.ref.model_name_or_path or cfg.actor.model_name_or_path
-        reference = Reference(load_causal_lm(path, cfg.ds, trainable=False), dist.device, offload=cfg.ref.offload,
-                              ring=ring)
+        reference = build.reference(path, cfg.ds, dist, offload=cfg.ref.offload, ring=ring)
     reward_model = None
     if cfg.reward.model_paths:
         if len(cfg.reward.model_paths) > 1:

@@ -1,11 +1,13 @@
 """Reference log-probabilities of whole answers for DPO / KTO: on the fly, or precomputed once.
 
 ``RefLogps.for_batch(batch, split)`` gives ``[S]`` summed reference log-probs of a micro-batch's
-target tokens, one per sequence. On the fly it runs the frozen ``Reference``; with
+target tokens, one per sequence. On the fly it runs the frozen ``Reference`` (sharded under
+ZeRO-3: the trainers' micro-batch counts are already equal on every rank); with
 ``--ref.precompute_enable`` every sample of both splits is scored once before training (data-
-parallel slot r scores samples r, r + W, ...; an all-reduce over the data-parallel group
-assembles the table on every rank) and the reference model is freed. Under ring attention the
-reference scores on the ring like the policy (``models.reference``).
+parallel slot r scores samples r, r + W, ...; a sharded reference runs as many batches on every
+rank; an all-reduce over the data-parallel group assembles the table on every rank) and the
+reference model is freed. Under ring attention the reference scores on the ring like the policy
+(``models.reference``).
 """
 
 from __future__ import annotations
@@ -19,14 +21,14 @@ from torch import Tensor
 
 from treadle.trainer.config.deepspeed import DeepSpeedConfig
 from treadle.trainer.config.model import FrozenRefConfig
-from treadle.trainer.data.batching import SeqBatch, local_batches
+from treadle.trainer.data.batching import SeqBatch, local_batches, split_to
 from treadle.trainer.data.order import eval_share
 from treadle.trainer.data.samples import Sample
-from treadle.trainer.models.loading import load_causal_lm
 from treadle.trainer.models.reference import Reference
 from treadle.trainer.ops.logprobs import sequence_sums
 from treadle.trainer.ring.group import RingGroup, data_parallel
-from treadle.trainer.strategy.deepspeed import DistInfo
+from treadle.trainer.strategy.deepspeed import DistInfo, all_reduce
+from treadle.trainer.trainers import build
 
 Batches = Callable[[Sequence[Sample]], list[tuple[list[Sample], SeqBatch]]]
 
@@ -61,25 +63,46 @@ class RefLogps:
             per = len(samples[0].seqs)
             table = torch.zeros(len(samples), per, dtype=torch.float64, device=dist.device)
             idx, fillers = eval_share(len(samples), dp.world, dp.rank)
-            mine = idx[: len(idx) - fillers]
-            for group, batch in batches([samples[i] for i in mine]):
-                sums = reference_sums(ref, batch.to(dist.device)).reshape(len(group), per)
-                table[[s.index for s in group]] = sums.double()
+            owned = idx[: len(idx) - fillers]
+            # A sharded reference scores the fillers too: every rank then has as many samples to split.
+            pairs = batches([samples[i] for i in (idx if ref.sharded else owned)])
+            if ref.sharded:
+                pairs = _equalised(pairs, batches, dist.device)
+            keep = {samples[i].index for i in owned}  # a filler of a slot without samples is not its own
+            for group, batch in pairs:
+                sums = reference_sums(ref, batch.to(dist.device)).reshape(len(group), per).double()
+                rows = [k for k, s in enumerate(group) if s.index in keep]
+                table[[group[k].index for k in rows]] = sums[rows]
             if torch.distributed.is_initialized() and dp.world > 1:
                 torch.distributed.all_reduce(table, group=dp.group)
             tables[name] = table.float()
         return RefLogps(None, tables)
 
 
+def _equalised(pairs: list[tuple[list[Sample], SeqBatch]], batches: Batches,
+               device: torch.device) -> list[tuple[list[Sample], SeqBatch]]:
+    """``pairs`` split into as many batches as the rank with the most has (``split_to``).
+
+    A sharded (ZeRO-3) reference gathers its parameters collectively in every forward, so every
+    rank must run as many. ``batches(g)`` of a piece ``g`` of a batch is that one batch again
+    (fewer samples, fewer tokens: within the same limits).
+    """
+    count = int(all_reduce([len(pairs)], device, op="max")[0])
+    if count <= len(pairs):
+        return pairs
+    return [batches(g)[0] for g in split_to([g for g, _ in pairs], count)]
+
+
 def build_reference(ref_cfg: FrozenRefConfig, policy_path: str, ds: DeepSpeedConfig, dist: DistInfo,
                     splits: dict[str, Sequence[Sample]], batches: Batches, ring: RingGroup | None = None) -> RefLogps:
-    """The reference scorer of a DPO / KTO run: the frozen model, or a table it precomputed."""
-    module = load_causal_lm(ref_cfg.model_name_or_path or policy_path, ds, trainable=False)
-    ref = Reference(module, dist.device, offload=ref_cfg.offload, ring=ring)
+    """The reference scorer of a DPO / KTO run: the frozen model (sharded under ZeRO-3, see
+    ``build.reference``), or a table it precomputed."""
+    ref = build.reference(ref_cfg.model_name_or_path or policy_path, ds, dist, offload=ref_cfg.offload, ring=ring)
     if not ref_cfg.precompute_enable:
         return RefLogps(ref)
     table = RefLogps.precompute(ref, splits, dist, batches)
-    del ref, module  # the table replaces the model: free its memory for training
+    ref.close()
+    del ref  # the table replaces the model: free its memory for training
     return table
 
 

@@ -89,7 +89,7 @@ def build_trainer(cfg: RMConfig) -> RMTrainer:
     margin_key = data.margin_key if cfg.actor.margin_loss_enable else None
     train, evaluation = build.datasets(cfg, lambda rows: pair_samples(
         rows, fmt, prompt_key=data.prompt_key, chosen_key=data.chosen_key, rejected_key=data.rejected_key,
-        margin_key=margin_key, max_len=data.max_len), dist)
+        margin_key=margin_key, max_len=data.max_len), dist, tok)
     model = RewardModel.from_pretrained(cfg.actor.model_name_or_path, cfg.ds,
                                         gradient_checkpointing=cfg.actor.gradient_checkpointing_enable,
                                         reentrant=cfg.actor.gradient_checkpointing_reentrant)

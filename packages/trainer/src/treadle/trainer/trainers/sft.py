@@ -71,19 +71,20 @@ def build_trainer(cfg: SFTConfig) -> SFTTrainer:
     if data.output_key is None and not data.apply_chat_template and not cfg.actor.pretrain_mode_enable:
         raise ConfigError("nothing to learn: set --data.output_key, --data.apply_chat_template "
                           "(conversations) or --actor.pretrain_mode_enable")
-    dist = build.start(cfg, ring_supported=True)
+    dist = build.start(cfg, ring_supported=True, tp_supported=True)
     ring = build.ring_group(cfg, dist)
+    dp = build.data_parallel_view(cfg, dist, ring)
     tok, fmt = build.tokenizer_and_formatter(cfg)
     train, evaluation = build.datasets(cfg, lambda rows: sft_samples(
         rows, fmt, input_key=data.input_key, output_key=data.output_key, multiturn=data.multiturn,
-        pretrain=cfg.actor.pretrain_mode_enable, max_len=data.max_len), dist)
+        pretrain=cfg.actor.pretrain_mode_enable, max_len=data.max_len), dist, tok)
     model = load_causal_lm(cfg.actor.model_name_or_path, cfg.ds, trainable=True,
                            gradient_checkpointing=cfg.actor.gradient_checkpointing_enable,
                            reentrant=cfg.actor.gradient_checkpointing_reentrant)
-    engine, order = build.engine(model, cfg, dist, len(train), ring)
+    engine, order = build.engine(model, cfg, dist, len(train), ring, dp)
     parts = Parts(dist=dist, engine=engine, tokenizer=tok, train_set=train, eval_set=evaluation, order=order,
                   checkpointer=build.checkpointer(cfg, dist), metrics=build.metrics_logger(cfg, dist, "sft"),
-                  loop=build.loop_config(cfg, "eval_loss"), zero_stage=cfg.ds.zero_stage, ring=ring)
+                  loop=build.loop_config(cfg, "eval_loss"), zero_stage=cfg.ds.zero_stage, ring=ring, dp=dp)
     return SFTTrainer(parts)
 
 
