@@ -40,9 +40,13 @@ def full_state_dict(engine: Any, *, zero_stage: int, is_main: bool) -> dict[str,
         # AutoTP shards are gathered (with ZeRO-3's partitions) by DeepSpeed's own consolidation;
         # named "16bit", it returns the parameters in their training dtype.
         return engine._consolidated_16bit_state_dict()  # noqa: SLF001
+    from treadle.trainer.weights.gather import is_4bit  # noqa: PLC0415
+
+    if is_4bit(module):  # QLoRA: the 4-bit base dequantized, adapters merged at full precision
+        return _planned(module, is_main, zero3=zero_stage == 3)
     if zero_stage == 3:
         if _has_peft(module):
-            return _zero3_merged(module, is_main)
+            return _planned(module, is_main, zero3=True)
         import deepspeed  # noqa: PLC0415
 
         out: dict[str, torch.Tensor] = {}
@@ -58,22 +62,24 @@ def full_state_dict(engine: Any, *, zero_stage: int, is_main: bool) -> dict[str,
     return {k: v.detach().cpu().clone() for k, v in _merged(module).state_dict().items()}
 
 
-def _zero3_merged(module: torch.nn.Module, is_main: bool) -> dict[str, torch.Tensor] | None:
-    """A ZeRO-3 LoRA causal LM's merged weights (``W + scaling * B @ A`` per adapted layer), gathered
-    one tensor at a time with the weight sender's plan (the same names the engines load)."""
+def _planned(module: torch.nn.Module, is_main: bool, *, zero3: bool) -> dict[str, torch.Tensor] | None:
+    """A LoRA causal LM's merged weights (``W + scaling * B @ A`` per adapted layer; a 4-bit ``W``
+    dequantized first), gathered one tensor at a time under ZeRO-3, with the weight sender's plan
+    (the same names the engines load)."""
     from peft import PeftModel  # noqa: PLC0415
 
     from treadle.trainer.weights.gather import gathered, plan  # noqa: PLC0415
 
     if not isinstance(module, PeftModel):
         raise NotImplementedError("exporting a value model (reward model / critic) with LoRA adapters trained "
-                                  "with ZeRO-3 is not supported yet; use --ds.zero_stage 2")
+                                  "with ZeRO-3 or 4-bit weights is not supported yet; use --ds.zero_stage 2 "
+                                  "without --ds.load_in_4bit")
     items = plan(module)
     out: dict[str, torch.Tensor] = {}
-    for lo, hi in gathered(items, [1] * len(items), zero3=True):
+    for lo, hi in gathered(items, [1] * len(items), zero3=zero3):
         if is_main:
             for it in items[lo:hi]:
-                out[it.name] = it.value().cpu().clone()
+                out[it.name] = it.value().to(it.dtype).cpu().clone()  # merged in fp32, saved as trained
     return out if is_main else None
 
 
@@ -91,6 +97,16 @@ def _place(skeleton: torch.nn.Module, state: dict[str, torch.Tensor]) -> torch.n
     return skeleton
 
 
+def _dense_config(config: Any, state: dict[str, torch.Tensor]) -> Any:
+    """A copy of ``config`` for the exported weights: their dtype, and no ``quantization_config``
+    (a QLoRA model is exported dequantized, so loaders must not expect 4-bit weights)."""
+    config = copy.deepcopy(config)
+    config.dtype = next(iter(state.values())).dtype
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    return config
+
+
 def _write(model: torch.nn.Module, tokenizer: Any, out: Path) -> Path:
     tmp = staging_dir(out)
     model.save_pretrained(tmp, safe_serialization=True)
@@ -103,8 +119,7 @@ def save_causal_lm(state: dict[str, torch.Tensor], config: Any, tokenizer: Any, 
     """Write a causal LM folder (rank 0 only) that ``AutoModelForCausalLM`` and vLLM load."""
     from transformers import AutoModelForCausalLM  # noqa: PLC0415
 
-    config = copy.deepcopy(config)
-    config.dtype = next(iter(state.values())).dtype
+    config = _dense_config(config, state)
     config.use_cache = True
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config)
@@ -123,10 +138,9 @@ def save_reward_model(state: dict[str, torch.Tensor], config: Any, tokenizer: An
     state = dict(state)
     if head_prefix != "score":
         state["score.weight"] = state.pop(f"{head_prefix}.weight")
-    config = copy.deepcopy(config)
+    config = _dense_config(config, state)
     config.value_head_prefix = head_prefix
     config.num_labels = 1
-    config.dtype = next(iter(state.values())).dtype
     config.reward_mean, config.reward_std = float(mean), float(std)
     config.architectures = None
     with torch.device("meta"):

@@ -68,7 +68,7 @@ def _common_kwargs(ds: DeepSpeedConfig) -> dict[str, Any]:
         from transformers import BitsAndBytesConfig  # noqa: PLC0415
 
         if importlib.util.find_spec("bitsandbytes") is None:
-            raise ConfigError("--ds.load_in_4bit needs the bitsandbytes package (CUDA)")
+            raise ConfigError("--ds.load_in_4bit needs bitsandbytes: pip install 'treadle-trainer[qlora]'")
         kw["quantization_config"] = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
                                                        bnb_4bit_compute_dtype=DTYPES[ds.param_dtype])
     return kw

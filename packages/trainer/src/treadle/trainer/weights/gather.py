@@ -59,7 +59,23 @@ class Item:
 
     def value(self) -> torch.Tensor:
         """The tensor as trained (sources gathered), in its own dtype; never a view to write into."""
-        return self.merge() if self.merge is not None else self.sources[0].detach()
+        return self.merge() if self.merge is not None else dense(self.sources[0])
+
+
+def dense(t: torch.Tensor) -> torch.Tensor:
+    """``t`` detached; a bitsandbytes 4-bit weight (QLoRA's frozen base: packed uint8 plus a
+    ``quant_state``) dequantized to its compute dtype and logical shape."""
+    qs = getattr(t, "quant_state", None)
+    if qs is None:
+        return t.detach()
+    from bitsandbytes.functional import dequantize_4bit  # noqa: PLC0415
+
+    return dequantize_4bit(t.data, qs)
+
+
+def is_4bit(module: torch.nn.Module) -> bool:
+    """Whether any parameter of ``module`` is a bitsandbytes 4-bit weight (QLoRA)."""
+    return any(getattr(p, "quant_state", None) is not None for p in module.parameters())
 
 
 def hf_name(name: str) -> str | None:
@@ -111,9 +127,10 @@ def has_lora(module: torch.nn.Module) -> bool:
 
 def _item(name: str, t: torch.Tensor, dtype: torch.dtype | None, extra: tuple[torch.Tensor, ...] = (),
           merge: Callable[[], torch.Tensor] | None = None) -> Item:
-    target = dtype if dtype is not None and t.is_floating_point() else t.dtype
-    return Item(name=name, shape=tuple(getattr(t, "ds_shape", t.shape)), dtype=target, sources=(t, *extra),
-                merge=merge)
+    qs = getattr(t, "quant_state", None)  # a 4-bit weight travels dequantized, in its compute dtype
+    own, shape = (qs.dtype, tuple(qs.shape)) if qs is not None else (t.dtype, tuple(getattr(t, "ds_shape", t.shape)))
+    target = dtype if dtype is not None and (qs is not None or t.is_floating_point()) else own
+    return Item(name=name, shape=shape, dtype=target, sources=(t, *extra), merge=merge)
 
 
 def _persistent_buffers(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
@@ -150,8 +167,9 @@ def _lora_merges(module: torch.nn.Module) -> dict[int, tuple[tuple[torch.Tensor,
 
 
 def _merged(layer: Any, base: torch.nn.Module, adapters: tuple[str, ...]) -> torch.Tensor:
-    """W + sum_a delta_a, in float32 (a new tensor: adding in place would change the trained W)."""
-    w = base.weight.detach()
+    """W + sum_a delta_a, in float32 (a new tensor: adding in place would change the trained W);
+    a 4-bit W is dequantized first, so the adapters' delta is added at full precision."""
+    w = dense(base.weight)
     if not adapters:
         return w
     with torch.no_grad():
