@@ -178,10 +178,10 @@ def test_the_cli_refuses_unknown_commands_and_bad_flags():
     assert unknown.returncode == 2 and "unknown command" in unknown.stderr
     bad = subprocess.run([*run, "serve", "--engines", "2"], capture_output=True, text=True)
     assert bad.returncode == 2 and "--model is required" in bad.stderr
-    # A non-loopback address without CURVE keys is refused before any engine starts.
+    # A non-loopback address without CURVE keys is refused before any engine starts, naming the flag.
     exposed = subprocess.run([*run, "serve", "--model", "/nonexistent", "--endpoint", "tcp://0.0.0.0:5999"],
                              capture_output=True, text=True, timeout=60)
-    assert exposed.returncode == 1 and "without CURVE keys" in exposed.stderr
+    assert exposed.returncode == 2 and "without --curve_dir" in exposed.stderr
 
 
 # ------------------------------------------------------------------------------ errors / client

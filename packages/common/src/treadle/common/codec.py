@@ -84,6 +84,10 @@ class Message(msgspec.Struct, kw_only=True, frozen=True):
 
 
 _tls = threading.local()
+# What decoding hostile bytes can raise. RecursionError: msgpack nested deeper than msgspec's
+# limit (a few hundred levels); without it here such a message escaped as a non-treadle error
+# and the server dropped it unanswered.
+_DECODE_ERRORS = (msgspec.DecodeError, msgspec.ValidationError, TypeError, ValueError, RecursionError)
 _HEADER_ENCODER = msgspec.msgpack.Encoder()
 _HEADER_DECODER = msgspec.msgpack.Decoder(Envelope)
 
@@ -282,7 +286,7 @@ def peek_header(frame0: Any) -> Envelope:
     """Decode only the header frame (version, id, op, method, type); raises CodecError."""
     try:
         env = _HEADER_DECODER.decode(_as_buffer(frame0))
-    except (msgspec.DecodeError, msgspec.ValidationError, TypeError, ValueError) as e:
+    except _DECODE_ERRORS as e:
         raise CodecError(f"header frame is not a treadle header: {e}") from None
     return env
 
@@ -308,7 +312,7 @@ def decode_parts(frames: Sequence[Any], max_frame_bytes: int | None = None) -> t
         raise FrameTooLarge(f"frame 0 has {len(buf)} bytes; the limit is {max_frame_bytes}")
     try:
         env = _HEADER_DECODER.decode(buf)
-    except (msgspec.DecodeError, msgspec.ValidationError, TypeError, ValueError):
+    except _DECODE_ERRORS:
         env = _checked_header(buf)  # raises the CodecError naming the problem
     if env.v != PROTOCOL_MAJOR or env.op not in OPS:
         _checked_header(buf)  # raises VersionMismatch or CodecError
@@ -320,14 +324,14 @@ def decode_parts(frames: Sequence[Any], max_frame_bytes: int | None = None) -> t
         return env, decoder.decode(env.body)
     except CodecError:
         raise
-    except (msgspec.DecodeError, msgspec.ValidationError, TypeError, ValueError) as e:
+    except _DECODE_ERRORS as e:
         raise CodecError(f"bad {type_name} body: {e}") from None
 
 
 def _checked_header(buf: bytes | memoryview) -> Envelope:
     try:
         env = _HEADER_DECODER.decode(buf)
-    except (msgspec.DecodeError, msgspec.ValidationError, TypeError, ValueError) as e:
+    except _DECODE_ERRORS as e:
         raise CodecError(f"header frame is not a treadle header: {e}") from None
     if env.v != PROTOCOL_MAJOR:
         raise VersionMismatch(f"peer speaks treadle protocol v{env.v}; this side speaks v{PROTOCOL_MAJOR}")
@@ -355,7 +359,7 @@ def _decode_frames(frames: Sequence[Any], max_frame_bytes: int | None) -> tuple[
         msg = decoder.decode(env.body)
     except CodecError:
         raise
-    except (msgspec.DecodeError, msgspec.ValidationError, TypeError, ValueError) as e:
+    except _DECODE_ERRORS as e:
         raise CodecError(f"bad {env.type} body: {e}") from None
     finally:
         _tls.frames = _tls.used = None

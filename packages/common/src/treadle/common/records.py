@@ -102,7 +102,7 @@ class SamplingParams(Record, frozen=True):
     def __post_init__(self) -> None:
         if self.n < 1:
             raise ValueError(f"SamplingParams.n must be >= 1, got {self.n}")
-        if self.temperature < 0:
+        if not self.temperature >= 0:  # NaN too: one NaN row made the engine fail its whole batch
             raise ValueError(f"SamplingParams.temperature must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")

@@ -25,6 +25,7 @@ from __future__ import annotations
 import hmac
 from typing import Any
 
+import msgspec
 import numpy as np
 from aiohttp import web
 
@@ -55,7 +56,38 @@ def parse_request(body: Any, header_key: str | None) -> RewardRequest:
     key = header_key or body.get("key") or ""
     if not isinstance(key, str):
         raise ValueError('"key" must be a string')
+    try:  # JSON carries what msgpack cannot (ints beyond 64 bits, lone surrogates): refuse it here
+        msgspec.msgpack.encode((queries, prompts, labels))
+    except (OverflowError, UnicodeError, TypeError) as e:
+        raise ValueError(f"the request holds a value that cannot be scored: {e}") from None
     return RewardRequest(queries=queries, prompts=prompts, labels=labels, key=key)
+
+
+async def read_json(request: web.Request) -> Any:
+    """The request's JSON body; ValueError for any body that is not JSON.
+
+    Besides bad JSON and bad UTF-8 that covers nesting deeper than the parser's recursion
+    limit, an unknown ``charset`` (LookupError) and a broken ``Content-Encoding`` (aiohttp's
+    payload errors). HTTP errors aiohttp raises itself (413 body too large) pass through.
+    """
+    try:
+        return await request.json()
+    except web.HTTPException:
+        raise
+    except Exception as e:  # noqa: BLE001  (whatever reading a client's body raises is the client's)
+        raise ValueError(f"the body is not valid JSON: {type(e).__name__}: {e}"[:2000]) from None
+
+
+@web.middleware
+async def json_errors(request: web.Request, handler: Any) -> web.StreamResponse:
+    """aiohttp's own 4xx (404, 405, 413) as JSON ``{"error": ...}``, like every other error here."""
+    try:
+        return await handler(request)
+    except web.HTTPException as e:
+        if e.status < 400 or e.content_type == "application/json":
+            raise
+        keep = {k: v for k, v in e.headers.items() if k.lower() not in ("content-type", "content-length")}
+        return web.json_response({"error": e.text or e.reason}, status=e.status, headers=keep)
 
 
 def _floats(a: Any) -> list[float]:
@@ -80,7 +112,7 @@ class HttpServer:
     def __init__(self, service: RewardService, *, token: str | None = None, max_body_mb: int = 256) -> None:
         self.service = service
         self._token = token
-        self.app = web.Application(client_max_size=max_body_mb << 20, middlewares=[self._auth])
+        self.app = web.Application(client_max_size=max_body_mb << 20, middlewares=[json_errors, self._auth])
         self.app.add_routes([
             web.post("/get_reward", self._get_reward), web.post("/v1/reward", self._v1_reward),
             web.get("/health", self._health), web.get("/metrics", self._metrics), web.get("/info", self._info),
@@ -117,7 +149,7 @@ class HttpServer:
 
     async def _score(self, request: web.Request) -> RewardResult | web.Response:
         try:
-            body = await request.json()
+            body = await read_json(request)
             req = parse_request(body, request.headers.get("Idempotency-Key"))
         except (ValueError, TypeError) as e:  # bad JSON, bad fields, RewardRequest's own checks
             return web.json_response({"error": str(e)[:2000]}, status=400)

@@ -15,9 +15,19 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from treadle.common.config import ConfigError, configclass
+from treadle.common.rpc.transport import is_loopback
 
 Backend = Literal["vllm", "hf"]
 DEFAULT_ENDPOINT = "tcp://127.0.0.1:5570"
+
+
+def require_curve(endpoint: str, curve_dir: str, role: str) -> None:
+    """ConfigError naming --curve_dir for a non-loopback tcp ``endpoint`` without keys (the RPC
+    layer refuses it too, later, naming only its Python API)."""
+    host = endpoint.removeprefix("tcp://").rpartition(":")[0]
+    if endpoint.startswith("tcp://") and host and not is_loopback(host) and not curve_dir:
+        raise ConfigError(f"refusing to {role} {endpoint} without --curve_dir: anyone who can reach it could use "
+                          "the rollout pool (make keys with `treadle-keys generate DIR`)")
 
 
 @configclass
@@ -131,6 +141,7 @@ class ServeConfig:
             raise ConfigError(f"--metrics_port must be a TCP port, got {self.metrics_port}")
         if self.gpu_ids and len(self.gpu_ids) < self.ranks_per_engine:
             raise ConfigError(f"--gpu_ids lists {len(self.gpu_ids)} GPUs; one engine needs {self.ranks_per_engine}")
+        require_curve(self.endpoint, self.curve_dir, "bind")
 
     @property
     def ranks_per_engine(self) -> int:
@@ -154,6 +165,7 @@ class ScaleConfig:
     def __post_init__(self) -> None:
         if self.engines < 1:
             raise ConfigError(f"--engines must be >= 1, got {self.engines}")
+        require_curve(self.endpoint, self.curve_dir, "connect to")
 
 
 @configclass
@@ -168,6 +180,9 @@ class StatusConfig:
     """Print the raw stats as JSON."""
     timeout_s: float = 10.0
     """How long to wait for the answer."""
+
+    def __post_init__(self) -> None:
+        require_curve(self.endpoint, self.curve_dir, "connect to")
 
 
 # ------------------------------------------------------------------------------- derived

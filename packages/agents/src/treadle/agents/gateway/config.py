@@ -10,6 +10,7 @@ import ipaddress
 from pathlib import Path
 
 from treadle.common.config import ConfigError, configclass, secret
+from treadle.common.rpc.transport import is_loopback
 
 DEFAULT_ROLLOUT = "tcp://127.0.0.1:5570"
 
@@ -66,6 +67,10 @@ class GatewayConfig:
         if not is_loopback_host(self.host) and not (self.token or self.token_file):
             raise ConfigError(f"--host {self.host} is not loopback: set --token or --token_file "
                               "(the gateway spends the rollout pool's compute for whoever calls it)")
+        host = self.rollout.removeprefix("tcp://").rpartition(":")[0]
+        if self.rollout.startswith("tcp://") and not is_loopback(host) and not self.rollout_curve_dir:
+            raise ConfigError(f"--rollout {self.rollout} is not loopback: set --rollout_curve_dir (the CURVE keys "
+                              "the rollout daemon's --curve_dir allows; make them with `treadle-keys generate DIR`)")
         if self.tool_parser not in ("hermes", "none"):
             raise ConfigError(f"--tool_parser must be hermes or none, got {self.tool_parser!r}")
         if self.max_length < 2 or self.default_max_tokens < 1 or self.max_sessions < 1:

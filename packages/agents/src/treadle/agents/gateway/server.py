@@ -35,6 +35,7 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
+import msgspec
 from aiohttp import web
 
 from treadle.agents.chat import ChatFormat, TemplateError
@@ -141,8 +142,12 @@ class Gateway:
     async def _errors(self, request: web.Request, handler: Any) -> web.StreamResponse:
         try:
             return await handler(request)
-        except web.HTTPException:
-            raise
+        except web.HTTPException as e:  # aiohttp's own 4xx (404, 405, 413) in the same JSON shape
+            if e.status < 400 or e.content_type == "application/json":
+                raise
+            keep = {k: v for k, v in e.headers.items() if k.lower() not in ("content-type", "content-length")}
+            return web.json_response(error_body(e.text or e.reason, e.reason.lower().replace(" ", "_")),
+                                     status=e.status, headers=keep)
         except RequestError as e:
             return _json_error(e.status, str(e), e.code)
         except TemplateError as e:
@@ -159,10 +164,21 @@ class Gateway:
     # ------------------------------------------------------------------ routes
 
     async def _body(self, request: web.Request) -> Any:
+        """The JSON body; RequestError (400) for anything a client can get wrong in one: bad JSON or
+        UTF-8, nesting past the parser's recursion limit, an unknown charset, a broken
+        Content-Encoding, values no tokenizer or msgpack peer takes (lone surrogates, ints past
+        64 bits). aiohttp's own errors (413) pass through."""
         try:
-            return await request.json()
-        except ValueError:
-            raise RequestError("the body is not valid JSON") from None
+            body = await request.json()
+        except web.HTTPException:
+            raise
+        except Exception as e:  # noqa: BLE001  (whatever reading a client's body raises is the client's)
+            raise RequestError(f"the body is not valid JSON ({type(e).__name__})") from None
+        try:
+            msgspec.msgpack.encode(body)
+        except (OverflowError, UnicodeError) as e:
+            raise RequestError(f"the body holds a value that cannot be used: {e}") from None
+        return body
 
     async def health(self, request: web.Request) -> web.Response:
         try:
@@ -232,6 +248,8 @@ class Gateway:
         if not isinstance(body, dict):
             raise RequestError("the body must be a JSON object")
         if "messages" in body:
+            if not isinstance(body["messages"] or [], list):
+                raise RequestError("messages must be a list")
             msgs = [normalize_message(m, i) for i, m in enumerate(body["messages"] or [])]
             text = self.chat.render(msgs, tools=body.get("tools") or None,
                                     add_generation_prompt=bool(body.get("add_generation_prompt", True)))
@@ -245,8 +263,8 @@ class Gateway:
     async def detokenize(self, request: web.Request) -> web.Response:
         body = await self._body(request)
         tokens = body.get("tokens") if isinstance(body, dict) else None
-        if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
-            raise RequestError('"tokens" must be a list of integers')
+        if not isinstance(tokens, list) or not all(isinstance(t, int) and 0 <= t < 2**32 for t in tokens):
+            raise RequestError('"tokens" must be a list of token ids (integers in [0, 2**32))')
         return web.json_response({"prompt": self.chat.decode(tokens, skip_special_tokens=False)})
 
     async def list_sessions(self, request: web.Request) -> web.Response:
@@ -273,12 +291,14 @@ class Gateway:
         body = await self._body(request) if request.can_read_body else {}
         if not isinstance(body, dict):
             raise RequestError("the body must be a JSON object")
+        if not isinstance(body.get("extra_logs") or {}, dict) or not isinstance(body.get("info") or {}, dict):
+            raise RequestError("finish: extra_logs and info must be JSON objects")
         try:
             kw = {"reward": None if body.get("reward") is None else float(body["reward"]),
                   "score": None if body.get("score") is None else float(body["score"]),
                   "extra_logs": {str(k): float(v) for k, v in (body.get("extra_logs") or {}).items()},
                   "group_id": str(body.get("group_id") or ""), "info": dict(body.get("info") or {})}
-        except (TypeError, ValueError) as e:
+        except (TypeError, ValueError, OverflowError) as e:
             raise RequestError(f"finish: {e}") from None
         async with s.lock:
             try:
