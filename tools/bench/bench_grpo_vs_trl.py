@@ -2,8 +2,8 @@
 """Benchmark (issue 7, no. 1): GRPO step time of ``treadle-train ppo`` vs TRL's ``GRPOTrainer``,
 same `small` model, prompts, reward function, group size and generation length, one run.
 
-Goal: treadle's median step time <= 0.5x TRL's. Both sides: fp32, KL off (beta 0), one optimizer
-step per rollout batch of ``prompts_per_step x group_size`` samples, ``max_new_tokens`` sampled
+Goal: treadle's median step time <= 0.5x TRL's. Both sides: ``--dtype`` (fp32 or bf16), KL off
+(beta 0), one optimizer step per rollout batch of ``prompts_per_step x group_size`` samples, ``max_new_tokens`` sampled
 tokens at ``temperature``, AdamW at ``lr``, no checkpoints.
 
 - TRL runs in this process (HF ``generate``, no vLLM) with ``torch.set_num_threads(--threads)``
@@ -88,6 +88,9 @@ class Args:
     """Sampling temperature."""
     lr: float = 1e-5
     """AdamW learning rate."""
+    dtype: Literal["fp32", "bf16"] = "fp32"
+    """Compute dtype of both sides. bf16: treadle's default (bf16 weights in trainer and engine,
+    fp32 master weights in DeepSpeed); TRL with ``bf16=True`` (the Trainer's mixed precision)."""
     rounds: int = 1
     """Alternations of the sides (--which both), or repeats of the one side."""
     threads: int = 2
@@ -161,7 +164,7 @@ def treadle_argv(args: Args, f: Files, out: Path) -> list[str]:
         "--train.num_episodes", str(episodes), "--train.seed", str(args.seed),
         "--actor.adam.lr", str(args.lr), "--actor.num_gpus_per_node", "1",
         "--vllm.num_engines", "1", "--vllm.backend", "vllm", "--vllm.gpu_memory_utilization", "0.1",
-        "--ds.param_dtype", "fp32",  # default bf16 (trainer and vLLM engine); TRL runs fp32
+        "--ds.param_dtype", args.dtype,  # trainer and vLLM engine
         # output_dir apart from ckpt.path: the export replaces its folder (default ./ckpt)
         "--ckpt.path", str(out / "ckpt"), "--ckpt.output_dir", str(out / "model"), *args.treadle_extra,
     ]
@@ -218,7 +221,8 @@ def trl_config(args: Args, out: Path):
         output_dir=str(out), max_steps=total_steps(args), learning_rate=args.lr, seed=args.seed,
         per_device_train_batch_size=batch, gradient_accumulation_steps=1, generation_batch_size=batch,
         num_generations=args.group_size, num_iterations=1, max_completion_length=args.max_new_tokens,
-        temperature=args.temperature, beta=0.0, use_vllm=False, bf16=False, fp16=False,
+        temperature=args.temperature, beta=0.0, use_vllm=False, bf16=args.dtype == "bf16", fp16=False,
+        use_cpu=True,
         model_init_kwargs={"dtype": "float32"}, report_to=[], logging_steps=1, save_strategy="no",
         disable_tqdm=True, log_completions=False, lr_scheduler_type="constant", warmup_steps=0,
         weight_decay=0.0, dataloader_num_workers=0)
@@ -301,7 +305,7 @@ def summarize(runs: dict[str, list[dict[str, list[float]]]]) -> dict[str, dict[s
 def report(args: Args, runs: dict[str, list[dict[str, list[float]]]]) -> dict:
     summary = summarize(runs)
     print(f"\nGRPO, `small` model, {args.prompts_per_step} prompts x {args.group_size} samples, "
-          f"{args.max_new_tokens} new tokens, fp32, medians after {args.warmup_steps} warm-up step(s); "
+          f"{args.max_new_tokens} new tokens, {args.dtype}, medians after {args.warmup_steps} warm-up step(s); "
           f"TRL in-process with torch threads = {args.threads}")
     print("| side | step s | phases (s) | steps | per-round step medians |\n|---|---|---|---|---|")
     for side, s in summary.items():

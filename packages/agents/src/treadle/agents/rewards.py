@@ -33,7 +33,6 @@ from typing import Any, Protocol
 
 import numpy as np
 
-
 log = logging.getLogger(__name__)
 
 TIMEOUT_S = 60.0
