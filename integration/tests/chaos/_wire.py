@@ -388,7 +388,10 @@ def flood(endpoint: str, messages: Iterator[list[bytes]], n: int, *, limit: int,
                 if rid not in first:
                     first[rid] = frames if sum(map(len, frames)) < 4096 else [f[:64] for f in frames]
             idle = time.monotonic() - last_reply
-            if outstanding <= 0 and out.sent >= n or (out.sent >= n and idle > settle_s):
+            # Done when every expected id has its replies. The global count alone is not enough:
+            # a reply under an id other than the one expected (two messages sharing id 0, say)
+            # would let the count reach zero while a reply is still on its way to this socket.
+            if out.sent >= n and (idle > settle_s or outstanding <= 0 and _all_answered(expected, got)):
                 break
             if out.sent < n and idle > stall_s:
                 credit, last_reply = credit + outstanding, time.monotonic()
@@ -407,6 +410,10 @@ def flood(endpoint: str, messages: Iterator[list[bytes]], n: int, *, limit: int,
                 out.examples.append(f"id {rid}: {have}/{want} replies; e.g. {_describe(first.get(rid, []))}")
     out.extra = sum(max(0, have - expected.get(rid, 0)) for rid, have in got.items())
     return out
+
+
+def _all_answered(expected: Counter[int], got: Counter[int]) -> bool:
+    return all(got.get(rid, 0) >= want for rid, want in expected.items())
 
 
 class RssSampler:
