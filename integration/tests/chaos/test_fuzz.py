@@ -239,11 +239,7 @@ def _target(name: str, request: pytest.FixtureRequest) -> SimpleNamespace:
 
 
 ZMQ_TARGETS = ["rollout", "rollout-worker", "rewards"]
-FLOOD_TARGETS = ["rollout", pytest.param("rollout-worker", marks=pytest.mark.xfail(
-    reason="open bug (2026-11-30): with seed 20261201 one unmutated `stats` call to the engine worker "
-           "(id 1060322, body Control(op='stats', args={'a': [1, 2.5, 'x']})) gets no reply in ~1 of 110,000 "
-           "messages in some runs (3 of 5 on 2026-11-30, alone or in the suite); cause not found yet", strict=False)),
-               "rewards"]
+FLOOD_TARGETS = ZMQ_TARGETS
 
 
 def _record_flood(figures: Any, sec: str, runs: list[Any]) -> None:

@@ -194,6 +194,33 @@ async def test_cancel_op_gets_cancelled_error_reply():
 
 
 @async_test
+async def test_cancel_that_lands_before_the_handler_task_started_still_gets_a_reply():
+    """A call and its cancel read in the same batch: the handler's task is cancelled before its
+    first step (it never runs). The call still gets its terminal reply and leaves no task behind
+    (found by `make chaos`: the reply was missing and the task stayed registered forever)."""
+    async def ticks(msg, ctx):
+        yield Ack()
+
+    async with serving({"ticks": ticks}) as (server, _):
+        sock = raw_dealer(server.endpoint)
+        try:
+            for rid in range(1, 41):  # both frames queued before the server drains them
+                sock.send_multipart(encode(None, id=rid, op="call", method="ticks"))
+                sock.send_multipart(encode(None, id=rid, op="cancel"))
+            replies = [await raw_recv(sock) for _ in range(40)]
+            while True:  # chunks of streams that ran before their cancel
+                terminal = [r for r in replies if r.op in ("end", "error")]
+                if len(terminal) == 40:
+                    break
+                replies.append(await raw_recv(sock))
+        finally:
+            sock.close()
+        assert server.in_flight == 0
+    assert sorted(r.id for r in terminal) == list(range(1, 41))
+    assert any(r.op == "error" and r.msg.code == "cancelled" for r in terminal)
+
+
+@async_test
 async def test_leaving_a_stream_early_cancels_the_handler():
     handler_cancelled = asyncio.Event()
 

@@ -225,8 +225,8 @@ class RpcServer:
         client_key = body[0].get("User-Id") if self._curve is not None else None
         ctx = RequestContext(rid, method, ident, self.name, client_key)
         if stream:
-            tasks[key] = self._loop.create_task(  # type: ignore[union-attr]
-                self._serve_stream(key, fn, msg, ctx))
+            self._track(key, ctx, self._loop.create_task(  # type: ignore[union-attr]
+                self._serve_stream(key, fn, msg, ctx)))
             return
         try:
             task, out = self._starter.start(  # type: ignore[union-attr]
@@ -237,7 +237,7 @@ class RpcServer:
             frames = self._exception_frames(e, ctx)
         else:
             if task is not None:  # it waits for something: its task replies when it is done
-                tasks[key] = task
+                self._track(key, ctx, task)
                 return
             try:  # it returned without waiting
                 frames = self._encode_out(out, ctx, "reply")
@@ -268,6 +268,17 @@ class RpcServer:
                               f"in flight (max_in_flight={self._max_in_flight}); retry later", True)
 
     # ---- running handlers ---------------------------------------------------------------
+
+    def _track(self, key: tuple[bytes, int], ctx: RequestContext, task: asyncio.Task[Any]) -> None:
+        self._tasks[key] = task
+        task.add_done_callback(lambda t: self._untracked(key, ctx, t))
+
+    def _untracked(self, key: tuple[bytes, int], ctx: RequestContext, task: asyncio.Task[Any]) -> None:
+        """A task cancelled before its first step never entered ``_serve_*`` (the cancel is
+        raised before its ``try``): it is still registered and owes the call its terminal reply."""
+        if self._tasks.get(key) is task:
+            del self._tasks[key]
+            self._send(key[0], self._cancelled_frames(ctx))
 
     async def _serve_call(self, handler: Awaitable[Any], key: tuple[bytes, int], ctx: RequestContext) -> None:
         try:
