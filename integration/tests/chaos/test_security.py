@@ -119,9 +119,7 @@ def test_open_binds_without_credentials_refuse_to_start(tiny: Path, ip: str, cha
     assert not failures, "\n\n".join(failures)
 
 
-@pytest.mark.xfail(strict=True, reason="treadle-rollout serve --metrics_host 0.0.0.0 serves Prometheus metrics on "
-                   "any address with no token (read-only, but against the rule): reported; flip when refused")
-def test_rollout_metrics_on_an_open_address_need_a_token(tiny: Path, spawn: Any, chaos: Any) -> None:
+def test_rollout_metrics_on_an_open_address_need_an_explicit_opt_in(tiny: Path, spawn: Any, chaos: Any) -> None:
     port = chaos.free_port()
     proc = spawn("open-metrics", chaos.rollout_argv(tiny, f"tcp://127.0.0.1:{chaos.free_port()}", "--backend", "hf",
                                                     "--metrics_host", "0.0.0.0", "--metrics_port", str(port)))

@@ -143,10 +143,17 @@ def test_engine_fields_fit_each_backends_config():
     (["--model", "m", "--engines", "0"], "--engines must be >= 1"),
     (["--model", "m", "--backend", "hf", "--tensor-parallel-size", "2"], "--backend hf"),
     (["--model", "m", "--engine.max_model_len", "1"], "--engine.max_model_len"),
+    (["--model", "m", "--metrics_port", "9", "--metrics_host", "0.0.0.0"], "pass --metrics_open"),
 ])
 def test_serve_config_refuses_bad_values_naming_the_flag(flags, needle):
     with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):
         parse(ServeConfig, flags)
+
+
+def test_open_metrics_need_the_explicit_flag():
+    cfg = parse(ServeConfig, ["--model", "m", "--metrics_port", "9", "--metrics_host", "0.0.0.0", "--metrics_open"])
+    assert (cfg.metrics_host, cfg.metrics_open) == ("0.0.0.0", True)
+    assert parse(ServeConfig, ["--model", "m", "--metrics_host", "0.0.0.0"]).metrics_port is None  # metrics off
 
 
 def test_issue_spelling_of_the_serve_flags_parses():
@@ -163,7 +170,7 @@ SERVE_FLAGS = [
     "--engine.no_enable_prefix_caching", "--engine.no_enable_sleep_mode", "--engine.no_enforce_eager",
     "--engine.no_multiprocess", "--engine.seed", "--engines", "--gpu_ids", "--health_interval_s",
     "--health_timeout_s", "--help", "--keep_weights", "--max_in_flight_samples", "--max_restarts",
-    "--max_retries", "--metrics_host", "--metrics_port", "--model", "--no_cpu_bind", "--no_keep_weights",
+    "--max_retries", "--metrics_host", "--metrics_open", "--metrics_port", "--model", "--no_cpu_bind", "--no_keep_weights", "--no_metrics_open",
     "--pipeline_parallel_size", "--route_timeout_s", "--run_dir", "--start_timeout_s", "--tensor_parallel_size", "-h",
 ]
 

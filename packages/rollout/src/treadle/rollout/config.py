@@ -93,7 +93,9 @@ class ServeConfig:
     metrics_port: int | None = None
     """Serve Prometheus metrics over HTTP on this port (None: off)."""
     metrics_host: str = "127.0.0.1"
-    """Address of the metrics endpoint."""
+    """Address of the metrics endpoint; anything but loopback needs --metrics_open."""
+    metrics_open: bool = False
+    """Allow a non-loopback --metrics_host: the read-only metrics endpoint has no token."""
     max_in_flight_samples: int = 8192
     """Samples admitted at once (all engines); beyond it generate answers Busy."""
     health_interval_s: float = 5.0
@@ -129,6 +131,10 @@ class ServeConfig:
         for name in ("engines", "tensor_parallel_size", "pipeline_parallel_size", "max_in_flight_samples"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name} must be >= 1, got {getattr(self, name)}")
+        if self.metrics_port is not None and not self.metrics_open and not _loopback(self.metrics_host):
+            raise ConfigError(f"--metrics_host {self.metrics_host} is not loopback and the metrics endpoint has "
+                              "no token: pass --metrics_open to serve it there anyway, or keep 127.0.0.1 and "
+                              "scrape through a proxy")
         if self.backend == "hf" and self.ranks_per_engine != 1:
             raise ConfigError("--backend hf runs one process per engine: --tensor_parallel_size and "
                               "--pipeline_parallel_size must be 1")
@@ -238,3 +244,9 @@ def engine_fields(cfg: ServeConfig, engine_id: str, where: Placement) -> dict[st
             "enable_sleep_mode": e.enable_sleep_mode, "enable_prefix_caching": e.enable_prefix_caching,
             "max_num_seqs": e.max_num_seqs, "multiprocess": e.multiprocess,
             "cpu_threads_bind": where.cpu_bind, "omp_num_threads": where.threads_per_rank}
+
+
+def _loopback(host: str) -> bool:
+    from treadle.common.rpc.transport import is_loopback  # noqa: PLC0415
+
+    return is_loopback(host)
