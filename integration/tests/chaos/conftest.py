@@ -17,7 +17,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -29,6 +28,8 @@ from typing import Any
 
 import psutil
 import pytest
+
+from treadle.integration.procs import free_port, signal_group
 
 ROOT = Path(__file__).resolve().parents[3]
 OUT = Path(os.environ.get("TREADLE_CHAOS_OUT", ROOT / ".cache" / "chaos"))
@@ -72,12 +73,6 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
         for line in _FIGURES.table():
             terminalreporter.write_line(line)
         terminalreporter.write_line(f"(written to {OUT / 'figures.json'})")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Proc:
@@ -127,8 +122,7 @@ class Proc:
 
     def kill9(self) -> None:
         """SIGKILL the whole process group (the daemon and its children)."""
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
+        signal_group(self.proc.pid, signal.SIGKILL)
         self.proc.wait(30)
 
     def restart(self) -> None:
@@ -141,8 +135,7 @@ class Proc:
             self.proc.send_signal(signal.SIGTERM)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(30)
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
+        signal_group(self.proc.pid, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(10)
 
