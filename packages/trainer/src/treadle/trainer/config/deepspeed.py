@@ -59,6 +59,12 @@ class DeepSpeedConfig:
     """Dtype of gradient accumulation buffers; None: DeepSpeed's default."""
     overlap_comm: bool = False
     """Overlap gradient reduction with the backward pass."""
+    zero3_prefetch_bucket_size: int = 500_000_000
+    """ZeRO-3: parameter elements gathered ahead of use (DeepSpeed's own default, 5e7, left 2xH200 step time to the gathers)."""
+    zero3_param_persistence_threshold: int = 1_000_000
+    """ZeRO-3: parameters with fewer elements stay whole on every rank, never gathered (DeepSpeed's default: 1e5)."""
+    compile_layers: bool = False
+    """torch.compile each decoder layer's forward (ZeRO-3 gathers each layer whole: DeepSpeed leaf modules)."""
     deepcompile: bool = False
     """Enable DeepSpeed's deepcompile."""
     enable_sleep: bool = False
@@ -90,6 +96,11 @@ class DeepSpeedConfig:
             raise ConfigError(f"--ring_attn_size {self.ring_attn_size} needs --packing_samples")
         if self.load_in_4bit and self.lora.rank == 0:
             raise ConfigError("--load_in_4bit needs LoRA: 4-bit base weights cannot be trained; set --lora.rank")
+        for name in ("zero3_prefetch_bucket_size", "zero3_param_persistence_threshold"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"--{name} must be >= 0, got {getattr(self, name)}")
+        if self.compile_layers and self.deepcompile:
+            raise ConfigError("--compile_layers and --deepcompile both compile the model; pick one")
         if self.param_offload and self.zero_stage != 3:
             raise ConfigError(f"--param_offload needs --zero_stage 3, got {self.zero_stage}")
         if not self.value_head_prefix.isidentifier():
