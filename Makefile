@@ -56,8 +56,9 @@ test-slow: $(STAMP)
 chaos: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m chaos integration/tests/chaos -p no:randomly
 
+# On a machine with 2 CUDA GPUs; WHEELS= folders of wheels for what that machine lacks.
 test-gpu:
-	python3 -m pytest -q -m gpu
+	bash tools/gpu_tests.sh $(WHEELS)
 
 bench: $(STAMP) $(SMALL)/config.json
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q tools/bench --benchmark-only --benchmark-columns=min,median,mean,ops,rounds --benchmark-json=.cache/bench.json -m "bench"

@@ -199,7 +199,8 @@ def launch(a: argparse.Namespace, data: Path, length: int, ring: int, folder: Pa
            "--model", a.model, "--data", str(data), "--length", str(length), "--ring", str(ring), "--dtype", a.dtype,
            "--steps", str(a.steps), "--warmup", str(a.warmup), "--head_stride", str(a.head_stride), "--result", str(result),
            "--lengths", a.lengths, *(["--kernel"] if a.kernel else [])]
-    src = os.pathsep.join(str(ROOT / "packages" / p / "src") for p in ("common", "rollout", "rewards", "agents", "trainer"))
+    src = os.pathsep.join([*(str(ROOT / "packages" / p / "src") for p in ("common", "rollout", "rewards", "agents", "trainer")),
+                           *filter(None, [os.environ.get("PYTHONPATH")])])  # carried wheels on the GPU machine
     env = {**os.environ, "PYTHONPATH": src, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
            "TRANSFORMERS_VERBOSITY": "error", "TOKENIZERS_PARALLELISM": "false"}
     if a.device == "cpu":
@@ -208,24 +209,36 @@ def launch(a: argparse.Namespace, data: Path, length: int, ring: int, folder: Pa
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT)
         if proc.returncode == 0:
             return json.loads(result.read_text())
+        if "out of memory" in proc.stderr.lower():  # a finding (this length does not fit), not a crash
+            line = next((ln for ln in proc.stderr.splitlines() if "out of memory" in ln.lower()), "")
+            return {"oom": True, "error": line.strip()[-400:]}
         print(f"L={length} ring={ring} attempt {attempt} failed:\n{proc.stderr[-2000:]}", file=sys.stderr, flush=True)
     raise SystemExit(f"L={length} ring={ring} failed twice")
 
 
 def report(a: argparse.Namespace, runs: dict[int, dict[int, dict]]) -> str:
-    mib = 1 << 20
     lines = [f"SFT on 2 ranks ({a.device}), {a.model}, {a.dtype}, 2 sequences of L tokens per step, "
              f"{a.head_stride} key/value heads per ring pass, median of {a.steps} steps after {a.warmup} warm-up",
              "", "| L | ring 1 tokens/s | ring 2 tokens/s | ring 2 / ring 1 | ring 1 peak / rank | ring 2 peak / rank "
              "| ring 1 rise / rank | ring 2 rise / rank |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for length, by_ring in runs.items():
-        tps = {r: v["tokens_per_step"] / v["median_step_s"] for r, v in by_ring.items()}
-        peak = {r: max(v["peak_bytes"]) / mib for r, v in by_ring.items()}
-        rise = {r: max(p - b for p, b in zip(v["peak_bytes"], v["before_bytes"], strict=True)) / mib
-                for r, v in by_ring.items()}
-        lines.append(f"| {length:,} | {tps[1]:,.0f} | {tps[2]:,.0f} | {tps[2] / tps[1]:.2f}x | {peak[1]:,.0f} MiB "
-                     f"| {peak[2]:,.0f} MiB | {rise[1]:,.0f} MiB | {rise[2]:,.0f} MiB |")
+        cells = {r: _cells(v) for r, v in by_ring.items()}
+        ratio = (f"{cells[2][3] / cells[1][3]:.2f}x" if all(r in cells and cells[r][3] for r in (1, 2)) else "-")
+        c1, c2 = cells.get(1, ("-",) * 4), cells.get(2, ("-",) * 4)
+        lines.append(f"| {length:,} | {c1[0]} | {c2[0]} | {ratio} | {c1[1]} | {c2[1]} | {c1[2]} | {c2[2]} |")
     return "\n".join(lines)
+
+
+def _cells(v: dict) -> tuple[str, str, str, float]:
+    """(tokens/s, peak / rank, rise / rank, tokens/s as a number) of one launch's result; an
+    out-of-memory launch reads "out of memory"."""
+    if v.get("oom"):
+        return ("out of memory", "out of memory", "-", 0.0)
+    mib = 1 << 20
+    tps = v["tokens_per_step"] / v["median_step_s"]
+    peak = max(v["peak_bytes"]) / mib
+    rise = max(p - b for p, b in zip(v["peak_bytes"], v["before_bytes"], strict=True)) / mib
+    return (f"{tps:,.0f}", f"{peak:,.0f} MiB", f"{rise:,.0f} MiB", tps)
 
 
 def main() -> int:
@@ -263,7 +276,8 @@ def main() -> int:
         data = folder / f"text_{length}.jsonl"
         write_data(data, rows=2 * (a.warmup + a.steps), words=length)  # >= 1 token per word: rows are cut to L
         runs[length] = {ring: launch(a, data, length, ring, folder) for ring in (1, 2)}
-        print(f"L={length}: " + ", ".join(f"ring {r}: {v['median_step_s']:.2f} s/step" for r, v in runs[length].items()),
+        print(f"L={length}: " + ", ".join(f"ring {r}: " + ("out of memory" if v.get("oom") else
+                                                      f"{v['median_step_s']:.2f} s/step") for r, v in runs[length].items()),
               flush=True)
     table = report(a, runs)
     print("\n" + table)

@@ -83,7 +83,9 @@ def child_env() -> dict[str, str]:
 
     cache = ROOT / ".cache"
     return env.child_env({
-        "PYTHONPATH": os.pathsep.join(map(str, SRC_PATHS)), "OMP_NUM_THREADS": "1",
+        # what the parent had on its path stays (the GPU machine puts carried wheels there)
+        "PYTHONPATH": os.pathsep.join([*map(str, SRC_PATHS), *filter(None, [os.environ.get("PYTHONPATH")])]),
+        "OMP_NUM_THREADS": "1",
         "TORCH_EXTENSIONS_DIR": str(cache / "torch_extensions"), "HF_HOME": str(cache / "hf"),
         "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "MPLCONFIGDIR": str(cache / "matplotlib"),
         "TOKENIZERS_PARALLELISM": "false", "TREADLE_LOG_LEVEL": "WARNING",

@@ -1,5 +1,6 @@
 """On CUDA (the GPU machine, ``-m gpu``): a packed row computes what padded rows do with the
-attention kernels there (SDPA; flash-attention's varlen path when flash-attn is installed)."""
+attention kernels there (SDPA; treadle_varlen, PyTorch's varlen flash kernel; flash-attention's
+varlen path when flash-attn is installed)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from treadle.trainer.models.loading import load_causal_lm
 from treadle.trainer.ops.logprobs import sequence_sums
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
-KERNELS = [("sdpa", "fp32", 1e-4), ("sdpa", "bf16", 0.15)]
+KERNELS = [("sdpa", "fp32", 1e-4), ("sdpa", "bf16", 0.15), ("treadle_varlen", "bf16", 0.15),
+           ("treadle_varlen", "fp32", 1e-4)]
 if importlib.util.find_spec("flash_attn") is not None:
     KERNELS.append(("flash_attention_2", "bf16", 0.15))
 

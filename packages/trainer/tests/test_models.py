@@ -4,6 +4,8 @@ model's scores; the reference is frozen; a reward model round-trips through the 
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 
@@ -107,6 +109,12 @@ def test_reference_is_frozen_and_matches_the_actor(lm, tiny):
 def test_attention_choice():
     assert attn_implementation(None) in ("sdpa", "flash_attention_2")
     assert attn_implementation("eager") == "eager"
+    assert attn_implementation("treadle_varlen") == "treadle_varlen"
+    assert attn_implementation(None, packing=True, cuda=False) == "sdpa"
+    if importlib.util.find_spec("flash_attn") is None:
+        # packed rows on CUDA without flash-attn: SDPA would build a block-diagonal mask over the whole row
+        assert attn_implementation(None, packing=True, cuda=True) == "treadle_varlen"
+        assert attn_implementation(None, packing=False, cuda=True) == "sdpa"
     if not torch.cuda.is_available():
         from treadle.common.config import ConfigError
 

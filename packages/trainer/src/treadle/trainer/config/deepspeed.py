@@ -50,7 +50,7 @@ class DeepSpeedConfig:
     param_offload: bool = False
     """Keep parameters in CPU memory between uses (ZeRO-3 only)."""
     attn_implementation: str | None = None
-    """HF attention implementation: eager, sdpa, flash_attention_2, flash_attention_3, or a kernels-hub name; None: flash_attention_2 where flash-attn is installed on CUDA, else sdpa."""
+    """HF attention implementation: eager, sdpa, flash_attention_2, flash_attention_3, treadle_varlen (packed rows without flash-attn), or a kernels-hub name; None: flash_attention_2 where flash-attn is installed on CUDA, else treadle_varlen for packed rows on CUDA, else sdpa."""
     experts_implementation: Literal["eager", "batched_mm", "grouped_mm", "deepgemm"] | None = None
     """MoE expert computation passed to transformers; None lets transformers choose."""
     use_liger_kernel: bool = False
@@ -59,6 +59,18 @@ class DeepSpeedConfig:
     """Dtype of gradient accumulation buffers; None: DeepSpeed's default."""
     overlap_comm: bool = False
     """Overlap gradient reduction with the backward pass."""
+    zero3_prefetch_bucket_size: int = 500_000_000
+    """ZeRO-3: parameter elements gathered ahead of use (DeepSpeed's own default, 5e7, left 2xH200 step time to the gathers)."""
+    zero3_param_persistence_threshold: int = 1_000_000
+    """ZeRO-3: parameters with fewer elements stay whole on every rank, never gathered (DeepSpeed's default: 1e5)."""
+    zero3_max_live_parameters: int = 1_000_000_000
+    """ZeRO-3: most parameter elements held gathered at once (DeepSpeed's default)."""
+    zero3_max_reuse_distance: int = 1_000_000_000
+    """ZeRO-3: a gathered parameter used again within this many parameter elements is kept, not
+    released and gathered again (DeepSpeed's default); above the model's size, the forward's
+    gathers serve the backward too."""
+    compile_layers: bool = False
+    """torch.compile each decoder layer's forward (ZeRO-3 gathers each layer whole: DeepSpeed leaf modules)."""
     deepcompile: bool = False
     """Compile the model with DeepSpeed's deepcompile (CUDA and ZeRO stage 1-3 only)."""
     enable_sleep: bool = False
@@ -96,6 +108,12 @@ class DeepSpeedConfig:
                               "LoRA adapts; not supported")
         if self.load_in_4bit and self.lora.rank == 0:
             raise ConfigError("--load_in_4bit needs LoRA: 4-bit base weights cannot be trained; set --lora.rank")
+        for name in ("zero3_prefetch_bucket_size", "zero3_param_persistence_threshold", "zero3_max_live_parameters",
+                     "zero3_max_reuse_distance"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"--{name} must be >= 0, got {getattr(self, name)}")
+        if self.compile_layers and self.deepcompile:
+            raise ConfigError("--compile_layers and --deepcompile both compile the model; pick one")
         if self.param_offload and self.zero_stage != 3:
             raise ConfigError(f"--param_offload needs --zero_stage 3, got {self.zero_stage}")
         if not self.value_head_prefix.isidentifier():

@@ -1,7 +1,9 @@
 """Loading transformers models and tokenizers the way the ``ds`` / ``actor`` config says.
 
-Resolves the attention kernel (flash-attention where installed on CUDA, else SDPA, unless the
-user named one; ring attention when ``--ds.ring_attn_size > 1``), the parameter dtype,
+Resolves the attention kernel (flash-attention where installed on CUDA; packed rows on CUDA
+without it: ``treadle_varlen``, PyTorch's varlen flash kernel, since SDPA would materialise a
+block-diagonal mask over the whole row; else SDPA; unless the user named one; ring attention
+when ``--ds.ring_attn_size > 1``), the parameter dtype,
 gradient checkpointing and LoRA adapters (peft). The model is returned on the CPU: placing it
 is DeepSpeed's job (``strategy.deepspeed``).
 
@@ -21,11 +23,21 @@ from treadle.trainer.config.deepspeed import DeepSpeedConfig, LoraConfig
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
-def attn_implementation(requested: str | None) -> str:
-    """The attention kernel to use: ``requested``, or flash_attention_2 on CUDA with flash-attn, else sdpa."""
-    flash = importlib.util.find_spec("flash_attn") is not None and torch.cuda.is_available()
+def attn_implementation(requested: str | None, *, packing: bool = False, cuda: bool | None = None) -> str:
+    """The attention kernel to use: ``requested``, or flash_attention_2 on CUDA with flash-attn,
+    else on CUDA with ``packing`` treadle_varlen (``ops.varlen_attention``, registered here), else sdpa.
+
+    On 2xH200, packed 32k-token rows ran 5x slower with SDPA than with treadle_varlen and the
+    1.35B model ran out of memory (docs/benchmarks.md, "GPU trainer throughput").
+    """
+    from treadle.trainer.ops.varlen_attention import VARLEN_ATTN_NAME, register  # noqa: PLC0415
+
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    flash = importlib.util.find_spec("flash_attn") is not None and cuda
     if requested is None:
-        return "flash_attention_2" if flash else "sdpa"
+        requested = "flash_attention_2" if flash else VARLEN_ATTN_NAME if packing and cuda else "sdpa"
+    if requested == VARLEN_ATTN_NAME:
+        return register()
     if requested.startswith("flash_attention") and not flash:
         raise ConfigError(f"--ds.attn_implementation {requested} needs CUDA and the flash-attn package; "
                           "use sdpa (or leave the flag unset to choose automatically)")
@@ -60,7 +72,10 @@ def load_tokenizer(path: str, *, use_fast: bool = True, chat_template: str | Non
 
 def _common_kwargs(ds: DeepSpeedConfig) -> dict[str, Any]:
     ring = ds.ring_attn_size > 1
-    attn = (ring_attn_implementation if ring else attn_implementation)(ds.attn_implementation)
+    if ring:
+        attn = ring_attn_implementation(ds.attn_implementation)
+    else:
+        attn = attn_implementation(ds.attn_implementation, packing=ds.packing_samples)
     kw: dict[str, Any] = {"dtype": DTYPES[ds.param_dtype], "attn_implementation": attn}
     if ds.experts_implementation is not None:
         kw["experts_implementation"] = ds.experts_implementation

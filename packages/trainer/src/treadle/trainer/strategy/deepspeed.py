@@ -10,6 +10,13 @@ switches of the same code; the accelerator (CUDA + NCCL, or CPU + gloo) comes fr
 accelerator detection. ``build_frozen_engine`` wraps a frozen model (the reference) in a ZeRO-3
 engine without optimizer.
 
+ZeRO-3's communication knobs default to what measured fastest on 2xH200 (docs/benchmarks.md,
+"GPU trainer throughput"): larger prefetch buckets and a higher persistence threshold than
+DeepSpeed's own defaults. ``--ds.compile_layers`` marks each decoder layer a ZeRO-3 *leaf
+module* (its parameters are gathered in one piece and no hooks run inside it) and compiles the
+layer's ``forward`` with ``torch.compile``; without the leaf marking dynamo would trace into
+ZeRO-3's per-submodule hooks, which it cannot.
+
 Under ring attention (``ring.group``) the engine still spans every rank: ring peers hold
 partial gradients of the same parameters, and DeepSpeed's all-rank reduction sums them; only
 the batch bookkeeping differs (``train_batch_size`` counts each sample once per ring rank).
@@ -36,6 +43,8 @@ from treadle.trainer.config.deepspeed import DeepSpeedConfig
 from treadle.trainer.config.optim import OptimizerConfig
 
 _NEVER = 1 << 62  # steps_per_print: DeepSpeed's own progress lines would duplicate ours
+# DeepSpeed's own defaults, written out so the dict names every knob of ZeRO-3's communication.
+_REDUCE_BUCKET = 500_000_000
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -115,6 +124,16 @@ def _zero_section(ds: DeepSpeedConfig) -> dict[str, Any]:
         zero["offload_param"] = {"device": "cpu", "pin_memory": pin}
     if ds.zpg > 1:
         zero["zero_hpz_partition_size"] = ds.zpg
+    if ds.zero_stage == 3:
+        zero.update({"reduce_bucket_size": _REDUCE_BUCKET, "stage3_max_live_parameters": ds.zero3_max_live_parameters,
+                     "stage3_max_reuse_distance": ds.zero3_max_reuse_distance,
+                     "stage3_prefetch_bucket_size": ds.zero3_prefetch_bucket_size,
+                     "stage3_param_persistence_threshold": ds.zero3_param_persistence_threshold})
+    if ds.zero_stage == 3 and ds.compile_layers:
+        # ZeRO-3's memory-efficient linear replaces F.linear process-wide with an autograd function
+        # whose backward reads each weight's ds_id: dynamo guards on it and recompiles every layer
+        # (seen on 2xH200: the recompile limit hit after 8 of 24 layers, the rest ran uncompiled).
+        zero["memory_efficient_linear"] = False
     return zero
 
 
@@ -185,15 +204,50 @@ def grad_accum_steps(batch_size: int, micro_batch: int, world: int) -> int:
     return batch_size // (micro_batch * world)
 
 
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The decoder layers of a transformers model: modules of the classes it names in ``_no_split_modules``."""
+    names = next((set(m._no_split_modules) for m in model.modules() if getattr(m, "_no_split_modules", None)), set())
+    layers = [m for m in model.modules() if type(m).__name__ in names]
+    if not layers:
+        raise ConfigError(f"--ds.compile_layers: {type(model).__name__} names no decoder-layer class "
+                          "(_no_split_modules); leave the flag off for this model")
+    return layers
+
+
+def compile_layers(model: torch.nn.Module, ds: DeepSpeedConfig) -> int:
+    """Under ZeRO-3 mark ``model``'s decoder layers leaf modules, then compile each layer's forward;
+    returns how many. Call before ``deepspeed.initialize`` (it places ZeRO-3's hooks).
+
+    The bound ``forward`` is compiled, not the module: the module's ``__call__`` runs DeepSpeed's
+    gather/release hooks, which must stay outside the compiled graph. The layers share one code
+    object, so dynamo should compile it once per input shape; should anything still make it
+    compile per layer, dynamo's process-wide recompile limit is raised to the layer count (plus
+    room for other shapes) so that no layer silently falls back to running uncompiled.
+    """
+    layers = decoder_layers(model)
+    import torch._dynamo.config as dynamo_config  # noqa: PLC0415
+
+    dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 2 * len(layers) + 8)
+    if ds.zero_stage == 3:
+        from deepspeed.utils import set_z3_leaf_modules  # noqa: PLC0415
+
+        set_z3_leaf_modules(model, sorted({type(m) for m in layers}, key=lambda c: c.__name__))
+    for layer in layers:
+        layer.forward = torch.compile(layer.forward)
+    return len(layers)
+
+
 def build_engine(model: torch.nn.Module, ds: DeepSpeedConfig, optim: OptimizerConfig, *, micro_batch: int,
                  grad_accum: int, world: int, total_steps: int) -> Any:
     """A training ``DeepSpeedEngine`` around ``model`` with its optimizer and schedule (compiled
-    by deepcompile when ``--ds.deepcompile``)."""
+    by deepcompile when ``--ds.deepcompile``; with ``--ds.compile_layers``, compiled decoder layers)."""
     import deepspeed  # noqa: PLC0415
     from deepspeed.accelerator import get_accelerator  # noqa: PLC0415
 
     check_deepcompile(ds, get_accelerator().device_name())
     check_autotp(ds, model)
+    if ds.compile_layers:
+        compile_layers(model, ds)
     optimizer = build_optimizer(model, optim, offload=ds.adam_offload)
     scheduler = build_scheduler(optimizer, optim, total_steps)
     config = ds_config(ds, optim, micro_batch=micro_batch, grad_accum=grad_accum, world=world)

@@ -1,0 +1,154 @@
+"""Packed-row attention for transformers models where flash-attn is not installed: ``"treadle_varlen"``.
+
+transformers' SDPA path turns a packed row (no attention mask, positions restarting at 0 for each
+sequence, ``data.batching.pack_batch``) into a materialised block-diagonal mask ``[R, 1, T, T]``
+and one attention over the whole row: at 16 sequences of 2,048 tokens that is a 1 GiB mask and
+16x the attention work of the sequences alone, with a kernel that cannot skip masked blocks.
+``register()`` adds ``"treadle_varlen"`` to transformers' ``AttentionInterface``; a model loaded
+with that name attends causally within each sequence only, and finds the sequences from
+``position_ids``: a sequence starts at every position 0 and at every row start. A padded batch's
+rows hold one sequence each and right padding only follows real tokens, so padded batches need
+no mask either (padding positions compute values that the losses mask out). transformers' mask
+interface does not know the name, so it builds no mask.
+
+Kernels: PyTorch's variable-length flash attention (``torch.nn.attention.varlen``) for bf16 /
+fp16 on CUDA; otherwise (CPU, fp32, or a torch without it) causal SDPA sequence by sequence, which
+computes the same values.
+
+The function is excluded from ``torch.compile`` (``--ds.compile_layers`` compiles the layers
+around it): finding the sequences reads the positions back to the host, once per forward pass;
+the other layers of that pass reuse the answer (a one-entry memo keyed by the tensor itself).
+
+Not here: ring attention (``ring.attention``); choosing the implementation (``models.loading``).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+VARLEN_ATTN_NAME = "treadle_varlen"
+
+
+@dataclass(frozen=True, slots=True)
+class Segments:
+    """The sequences of ``R`` rows of ``T`` tokens, flattened to ``R * T`` tokens."""
+
+    bounds: tuple[int, ...]
+    """S + 1 flat offsets: sequence k is tokens [bounds[k], bounds[k + 1])."""
+    cu: Tensor
+    """[S + 1] int32 ``bounds`` on the tokens' device (flash attention's cu_seqlens)."""
+    max_len: int
+    """Longest sequence."""
+
+
+def segments(position_ids: Tensor) -> Segments:
+    """Sequences of ``position_ids`` ``[R, T]``: one starts at each 0 and at each row start."""
+    r, t = position_ids.shape
+    starts = position_ids == 0
+    starts[:, 0] = True
+    flat = torch.nonzero(starts.reshape(-1)).reshape(-1).tolist()
+    bounds = (*flat, r * t)
+    max_len = max(b - a for a, b in zip(bounds[:-1], bounds[1:], strict=True))
+    cu = torch.tensor(bounds, dtype=torch.int32, device=position_ids.device)
+    return Segments(bounds=bounds, cu=cu, max_len=max_len)
+
+
+class _Memo:
+    """The segments of the last ``position_ids`` seen; holding the tensor keeps its memory from
+    being reused by a different one, and its version counter catches in-place changes."""
+
+    __slots__ = ("key", "version", "value")
+
+    def __init__(self) -> None:
+        self.key: Tensor | None = None
+        self.version = -1
+        self.value: Segments | None = None
+
+    def get(self, position_ids: Tensor) -> Segments:
+        if self.key is not position_ids or self.version != position_ids._version or self.value is None:
+            self.key, self.version, self.value = position_ids, position_ids._version, segments(position_ids)
+        return self.value
+
+
+_MEMO = _Memo()
+
+
+@functools.cache
+def _varlen_kernel() -> tuple[Any, frozenset[str]] | None:
+    """PyTorch's varlen flash attention and its keyword names, or None where this torch lacks it."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn  # noqa: PLC0415
+    except ImportError:
+        return None
+    return varlen_attn, frozenset(inspect.signature(varlen_attn).parameters)
+
+
+def _flash(q: Tensor, k: Tensor, v: Tensor, seg: Segments, scale: float) -> Tensor:
+    kernel, names = _varlen_kernel()  # type: ignore[misc]
+    kw: dict[str, Any] = {"scale": scale}
+    # The causal switch moved from is_causal to window_size=(-1, 0) between PyTorch releases.
+    kw.update({"window_size": (-1, 0)} if "window_size" in names else {"is_causal": True})
+    if q.shape[1] != k.shape[1]:
+        if "enable_gqa" in names:
+            kw["enable_gqa"] = True
+        else:
+            k, v = (x.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for x in (k, v))
+    return kernel(q, k, v, seg.cu, seg.cu, seg.max_len, seg.max_len, **kw)
+
+
+def _by_sequence(q: Tensor, k: Tensor, v: Tensor, seg: Segments, scale: float) -> Tensor:
+    gqa = q.shape[1] != k.shape[1]
+    outs = []
+    for a, b in zip(seg.bounds[:-1], seg.bounds[1:], strict=True):
+        o = torch.nn.functional.scaled_dot_product_attention(
+            q[a:b].transpose(0, 1), k[a:b].transpose(0, 1), v[a:b].transpose(0, 1), is_causal=True, scale=scale,
+            enable_gqa=gqa)
+        outs.append(o.transpose(0, 1))
+    return torch.cat(outs)
+
+
+def kernel_name(q: Tensor) -> str:
+    """The kernel ``varlen_attention`` uses for tensors like ``q``: "flash_varlen" or "sdpa_by_sequence"."""
+    fast = q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and _varlen_kernel() is not None
+    return "flash_varlen" if fast else "sdpa_by_sequence"
+
+
+def varlen_attention(q: Tensor, k: Tensor, v: Tensor, seg: Segments, scale: float) -> Tensor:
+    """Causal attention within each sequence: q ``[N, H, d]``, k / v ``[N, Hk, d]`` (Hk divides H),
+    N = the flattened tokens of ``seg`` -> ``[N, H, d]``."""
+    return (_flash if kernel_name(q) == "flash_varlen" else _by_sequence)(q, k, v, seg, scale)
+
+
+@torch.compiler.disable
+def varlen_attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor,
+                             attention_mask: Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                             **kwargs: Any) -> tuple[Tensor, None]:
+    """transformers' attention signature: query ``[R, H, T, d]``, key / value ``[R, Hk, T, d]`` ->
+    (``[R, T, H, d]``, no weights)."""
+    positions = kwargs.get("position_ids")
+    if positions is None:
+        raise RuntimeError(f"{VARLEN_ATTN_NAME} attention finds sequences from position_ids; "
+                           "call the model with position_ids")
+    if dropout > 0.0:
+        raise ValueError(f"{VARLEN_ATTN_NAME} attention has no attention dropout; set attention_dropout to 0")
+    if kwargs.get("sliding_window") is not None:
+        raise ValueError(f"{VARLEN_ATTN_NAME} attention does not implement sliding-window attention")
+    r, h, t, d = query.shape
+    seg = _MEMO.get(positions) if positions.shape[0] == r else segments(positions.expand(r, -1))
+    flat = [x.transpose(1, 2).reshape(r * t, x.shape[1], d) for x in (query, key, value)]
+    out = varlen_attention(*flat, seg, scaling if scaling is not None else d ** -0.5)
+    return out.reshape(r, t, h, d), None
+
+
+def register() -> str:
+    """Make ``"treadle_varlen"`` a transformers attention implementation (idempotent); returns the name."""
+    from transformers import AttentionInterface  # noqa: PLC0415
+
+    AttentionInterface.register(VARLEN_ATTN_NAME, varlen_attention_forward)
+    return VARLEN_ATTN_NAME

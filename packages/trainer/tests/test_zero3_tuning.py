@@ -1,0 +1,127 @@
+"""ZeRO-3 tuning knobs in the DeepSpeed dict, compiled decoder layers, and packed-row attention
+(``ops.varlen_attention``) against per-sequence SDPA on CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from treadle.common.config import ConfigError
+from treadle.trainer.config.deepspeed import DeepSpeedConfig
+from treadle.trainer.config.optim import OptimizerConfig
+from treadle.trainer.ops.varlen_attention import _MEMO, register, segments, varlen_attention
+from treadle.trainer.strategy.deepspeed import compile_layers, decoder_layers, ds_config
+
+
+def _tiny(attn: str, layers: int = 2) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=97, use_cache=False)
+    return AutoModelForCausalLM.from_config(cfg, attn_implementation=attn).eval()
+
+
+def test_zero3_knobs_default_to_the_tuned_values_and_stay_out_of_lower_stages():
+    zero = ds_config(DeepSpeedConfig(zero_stage=3), OptimizerConfig(), micro_batch=1, grad_accum=1,
+                     world=2)["zero_optimization"]
+    assert zero["stage3_prefetch_bucket_size"] == 500_000_000
+    assert zero["stage3_param_persistence_threshold"] == 1_000_000
+    assert zero["stage3_max_live_parameters"] == 1_000_000_000 and zero["reduce_bucket_size"] == 500_000_000
+    ds = DeepSpeedConfig(zero_stage=3, zero3_prefetch_bucket_size=7, zero3_param_persistence_threshold=0)
+    zero = ds_config(ds, None, micro_batch=1, grad_accum=1, world=1)["zero_optimization"]
+    assert (zero["stage3_prefetch_bucket_size"], zero["stage3_param_persistence_threshold"]) == (7, 0)
+    assert "memory_efficient_linear" not in zero
+    compiled = DeepSpeedConfig(zero_stage=3, compile_layers=True)
+    compiled_zero = ds_config(compiled, None, micro_batch=1, grad_accum=1, world=1)["zero_optimization"]
+    assert compiled_zero["memory_efficient_linear"] is False
+    lower = ds_config(DeepSpeedConfig(zero_stage=2), None, micro_batch=1, grad_accum=1, world=1)["zero_optimization"]
+    assert not {"stage3_prefetch_bucket_size", "stage3_param_persistence_threshold", "stage3_max_live_parameters",
+                "reduce_bucket_size"} & lower.keys()
+
+
+def test_config_rejects_negative_buckets_and_two_compilers():
+    with pytest.raises(ConfigError, match="--zero3_prefetch_bucket_size must be >= 0"):
+        DeepSpeedConfig(zero3_prefetch_bucket_size=-1)
+    with pytest.raises(ConfigError, match="--compile_layers and --deepcompile"):
+        DeepSpeedConfig(compile_layers=True, deepcompile=True)
+
+
+def test_compile_layers_marks_zero3_leaves_and_compiles_each_layer_forward():
+    from deepspeed.utils import z3_leaf_module
+
+    model = _tiny("sdpa", layers=3)
+    ids = torch.randint(0, 97, (2, 9))
+    expected = model(input_ids=ids).logits
+    assert compile_layers(model, DeepSpeedConfig(zero_stage=3)) == 3
+    assert torch._dynamo.config.recompile_limit >= 2 * 3 + 8
+    layers = decoder_layers(model)
+    assert [type(m).__name__ for m in layers] == ["Qwen2DecoderLayer"] * 3
+    assert all(z3_leaf_module(m) for m in layers) and not z3_leaf_module(model.model)
+    assert all("forward" in vars(m) for m in layers)  # the instance's compiled forward shadows the method
+    assert torch.allclose(model(input_ids=ids).logits, expected, atol=1e-5)
+    plain = _tiny("sdpa")
+    compile_layers(plain, DeepSpeedConfig(zero_stage=2))
+    assert not any(z3_leaf_module(m) for m in decoder_layers(plain))
+
+
+def test_compile_layers_names_the_flag_for_models_without_layer_classes():
+    with pytest.raises(ConfigError, match="--ds.compile_layers: Sequential names no decoder-layer class"):
+        compile_layers(torch.nn.Sequential(torch.nn.Linear(2, 2)), DeepSpeedConfig(zero_stage=3))
+
+
+def test_segments_start_at_each_zero_position_and_each_row():
+    packed = segments(torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3]]))
+    assert packed.bounds == (0, 3, 5, 9) and packed.max_len == 4
+    assert packed.cu.dtype == torch.int32 and packed.cu.tolist() == [0, 3, 5, 9]
+    padded = segments(torch.arange(4).expand(3, 4).clone())
+    assert padded.bounds == (0, 4, 8, 12)
+    cut = segments(torch.tensor([[2, 3, 0, 1]]))  # a row that starts mid-sequence still starts a segment
+    assert cut.bounds == (0, 2, 4)
+
+
+def test_memo_recomputes_for_a_new_tensor_or_an_in_place_change():
+    pos = torch.tensor([[0, 1, 0, 1]])
+    first = _MEMO.get(pos)
+    assert _MEMO.get(pos) is first
+    same_values = pos.clone()
+    assert _MEMO.get(same_values) is not first and _MEMO.get(same_values).bounds == first.bounds
+    same_values[0, 2] = 2  # in place: one sequence now
+    assert _MEMO.get(same_values).bounds == (0, 4)
+
+
+def test_varlen_attention_equals_causal_sdpa_per_sequence_with_gqa():
+    torch.manual_seed(1)
+    lengths = [5, 1, 7]
+    q, k, v = torch.randn(13, 4, 8), torch.randn(13, 2, 8), torch.randn(13, 2, 8)
+    pos = torch.cat([torch.arange(n) for n in lengths])[None]
+    out = varlen_attention(q, k, v, segments(pos), 8 ** -0.5)
+    start = 0
+    for n in lengths:
+        sl = slice(start, start + n)
+        ref = torch.nn.functional.scaled_dot_product_attention(
+            q[sl].transpose(0, 1), k[sl].repeat_interleave(2, 1).transpose(0, 1),
+            v[sl].repeat_interleave(2, 1).transpose(0, 1), is_causal=True)
+        torch.testing.assert_close(out[sl], ref.transpose(0, 1))
+        start += n
+
+
+def test_packed_row_with_treadle_varlen_equals_each_sequence_alone():
+    """A packed row of three sequences gives each sequence's own logits (what a padded batch with
+    SDPA and a mask gives), and a padded batch needs no mask since right padding follows."""
+    name = register()
+    varlen, sdpa = _tiny(name), _tiny("sdpa")
+    seqs = [torch.randint(0, 97, (n,)) for n in (6, 3, 8)]
+    ids = torch.cat(seqs)[None]
+    pos = torch.cat([torch.arange(len(s)) for s in seqs])[None]
+    with torch.no_grad():
+        packed = varlen(input_ids=ids, position_ids=pos).logits[0]
+        padded_ids = torch.nn.utils.rnn.pad_sequence(seqs, batch_first=True)
+        width = torch.arange(8).expand(3, 8)
+        padded = varlen(input_ids=padded_ids, position_ids=width).logits
+        alone = [sdpa(input_ids=s[None]).logits[0] for s in seqs]
+    start = 0
+    for k, (s, ref) in enumerate(zip(seqs, alone, strict=True)):
+        torch.testing.assert_close(packed[start:start + len(s)], ref, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(padded[k, : len(s)], ref, atol=1e-5, rtol=1e-4)
+        start += len(s)

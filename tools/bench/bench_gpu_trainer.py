@@ -1,0 +1,410 @@
+#!/usr/bin/env python3
+"""Benchmark (issue 10): treadle's SFT step and PPO actor step under ZeRO-3 on 2 GPUs, with packing:
+tokens/s/GPU and MFU, DeepSpeed's default settings against the tuned ones.
+
+One *variant* runs under ``torchrun`` (one process per GPU) and builds everything from treadle's
+own pieces: a Qwen2-shaped model made from a config (random init, seed 0, no download) and saved
+once, loaded with ``models.loading.load_causal_lm``; the engine from ``strategy.deepspeed.build_engine``
+and a ``DeepSpeedConfig``; then
+
+* SFT: ``--micro-batch`` sequences of ``--seq`` random tokens per rank, packed into one row
+  (``data.batching.pack_batch``), ``models.actor.Actor`` on the engine, ``losses.sft.nll_loss``,
+  one micro-batch per optimizer step, as ``trainers.base`` does it;
+* PPO: ``rl.update.actor_step`` on as many synthetic ``Experience`` records per rank (a
+  ``Trajectory`` of ``--seq / 4`` prompt and ``3 --seq / 4`` response tokens, random advantages,
+  strictly on-policy), packed, PPO clip loss, token mean, entropy computed (as the trainer does).
+
+Each is ``--warmup`` untimed steps (compilation happens there), then ``--steps`` timed steps
+(CUDA synchronised around each; median reported), then for SFT one more step with a
+synchronisation after the forward and after the backward, to split the step's time.
+
+MFU = 6 * N * (tokens/s per GPU) / 989e12 (dense bf16 peak of one H200/H100 SXM), N = every
+parameter (embeddings and LM head included), attention score FLOPs left out; ``mfu_attn`` adds
+them: + 6 * layers * hidden * seq per token (causal, forward + backward, within each sequence).
+
+Variants (``VARIANTS``): ``baseline`` is what treadle emitted before the tuning (DeepSpeed's own
+ZeRO-3 bucket defaults, no overlap, transformers' SDPA attention on packed rows, no compile);
+``tuned`` is overlap_comm + the new bucket defaults + ``treadle_varlen`` attention +
+``--ds.compile_layers``; the others take one piece away to show what each is worth.
+
+``--sweep size:variant,...`` runs variants one after another, each its own ``torchrun`` (a
+ZeRO-3 engine does not give its memory back inside a process), within ``--deadline-s``;
+results go to ``--json`` (one JSON object per line, failures included) and the children's
+output to ``--log``. ``--cpu`` is the dry run: tiny shape, fp32, gloo, same code paths.
+
+    NCCL_NVLS_ENABLE=0 python3 tools/bench/bench_gpu_trainer.py --sweep 1.35b:tuned,1.35b:baseline \\
+        --json bench_gpu_trainer.json --log bench_gpu_trainer.log
+    python3 tools/bench/bench_gpu_trainer.py --cpu --sweep tiny:tuned,tiny:baseline --json /tmp/b.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+PEAK_FLOPS = 989e12
+SHAPES: dict[str, dict[str, Any]] = {
+    "1.35b": dict(hidden_size=2048, intermediate_size=5504, num_hidden_layers=24, num_attention_heads=16,
+                  num_key_value_heads=16, vocab_size=32000, tie_word_embeddings=False),
+    "0.47b": dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16,
+                  num_key_value_heads=16, vocab_size=32000, tie_word_embeddings=False),
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=512, tie_word_embeddings=False),
+}
+_DS_DEFAULTS = dict(zero3_prefetch_bucket_size=50_000_000, zero3_param_persistence_threshold=100_000)
+VARIANTS: dict[str, dict[str, Any]] = {
+    "baseline": dict(ds=dict(overlap_comm=False, **_DS_DEFAULTS), attn="sdpa"),
+    "tuned": dict(ds=dict(overlap_comm=True, compile_layers=True), attn="treadle_varlen"),
+    "tuned_eager": dict(ds=dict(overlap_comm=True), attn="treadle_varlen"),
+    "tuned_sdpa": dict(ds=dict(overlap_comm=True), attn="sdpa"),
+    "ds_tuned_only": dict(ds=dict(overlap_comm=True, compile_layers=True), attn="sdpa"),
+    "tuned_flex": dict(ds=dict(overlap_comm=True, compile_layers=True), attn="flex_attention"),
+    # tuned, and every parameter gathered by the forward kept for the backward (no second gather)
+    "tuned_keep": dict(ds=dict(overlap_comm=True, compile_layers=True, zero3_max_live_parameters=10**11,
+                               zero3_max_reuse_distance=10**11), attn="treadle_varlen"),
+}
+
+
+# -- one variant, on every rank ---------------------------------------------------------------
+
+
+def _model_dir(root: Path, size: str, dtype: Any, device: Any) -> Path:
+    """Rank 0 writes the random model of ``size`` once (built on ``device``); every rank waits."""
+    import torch  # noqa: PLC0415
+    from transformers import AutoModelForCausalLM, Qwen2Config  # noqa: PLC0415
+
+    path = root / size
+    if torch.distributed.get_rank() == 0 and not (path / "config.json").exists():
+        torch.manual_seed(0)
+        cfg = Qwen2Config(**SHAPES[size], max_position_embeddings=8192, use_cache=False)
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+        tmp = root / f".{size}.tmp{os.getpid()}"
+        model.save_pretrained(tmp)
+        tmp.rename(path)
+        del model
+    torch.distributed.barrier()
+    return path
+
+
+def _sft_batch(rng: Any, mb: int, seq: int, vocab: int) -> Any:
+    import numpy as np  # noqa: PLC0415
+
+    from treadle.trainer.data.batching import pack_batch  # noqa: PLC0415
+    from treadle.trainer.data.samples import Sample, TokenSeq  # noqa: PLC0415
+
+    target = np.ones(seq, dtype=bool)
+    target[0] = False
+    samples = [Sample(seqs=(TokenSeq(ids=rng.integers(0, vocab, seq), target=target),), index=k) for k in range(mb)]
+    return pack_batch(samples)
+
+
+def _experiences(rng: Any, mb: int, seq: int, vocab: int) -> list[Any]:
+    import numpy as np  # noqa: PLC0415
+
+    from treadle.common.records import Trajectory  # noqa: PLC0415
+    from treadle.trainer.rl.experience import from_trajectory  # noqa: PLC0415
+
+    prompt, response = seq // 4, seq - seq // 4
+    exps = []
+    for _ in range(mb):
+        traj = Trajectory(prompt_token_ids=rng.integers(0, vocab, prompt).astype(np.int32),
+                          response_token_ids=rng.integers(0, vocab, response).astype(np.int32),
+                          rollout_logprobs=-rng.random(response, dtype=np.float32),
+                          loss_mask=np.ones(response, dtype=np.uint8), reward=float(rng.random()))
+        e = from_trajectory(traj)
+        e.arrays["advantages"] = rng.standard_normal(e.num_actions).astype(np.float32)
+        e.arrays["is_weights"] = np.ones(e.num_actions, dtype=np.float32)
+        exps.append(e)
+    return exps
+
+
+def _timed(fn: Any, sync: Any) -> float:
+    sync()
+    t0 = time.perf_counter()
+    fn()
+    sync()
+    return time.perf_counter() - t0
+
+
+def _sft_step(engine: Any, batch: Any, world: int, device: Any, sync: Any = None) -> dict[str, float]:
+    """One SFT optimizer step (``trainers.base.train_step``'s inner loop, one micro-batch);
+    with ``sync``, the seconds of forward / backward / optimizer step."""
+    from treadle.trainer.losses.sft import nll_loss  # noqa: PLC0415
+    from treadle.trainer.models.actor import Actor  # noqa: PLC0415
+    from treadle.trainer.strategy.deepspeed import all_reduce  # noqa: PLC0415
+
+    split: dict[str, float] = {}
+    t0 = time.perf_counter()
+    batch = batch.to(device)
+    normaliser = all_reduce([float(batch.target_mask.sum())], device)[0]
+    engine.train()
+    engine.set_gradient_accumulation_boundary(True)
+    loss = nll_loss(Actor(engine)(batch).logprobs, batch.target_mask, normaliser)
+    if sync:
+        sync()
+        split["forward_s"], t0 = time.perf_counter() - t0, time.perf_counter()
+    engine.backward(loss * world, scale_wrt_gas=False)
+    if sync:
+        sync()
+        split["backward_s"], t0 = time.perf_counter() - t0, time.perf_counter()
+    engine.step()
+    if sync:
+        sync()
+        split["optimizer_s"] = time.perf_counter() - t0
+    return split
+
+
+def _ppo_step(engine: Any, exps: list[Any], world: int, device: Any, mb: int) -> None:
+    from treadle.trainer.rl.update import Batching, PolicyLoss, actor_step  # noqa: PLC0415
+
+    b = Batching(micro_batch=mb, token_budget=None, packing=True, pad_id=0, device=device)
+    loss = PolicyLoss(kind="ppo", clip_low=0.2, clip_high=0.28, dual_clip=None, entropy_coef=0.0,
+                      aggregation="token-mean", kl_coef=0.0, kl_estimator="k3", temperature=1.0)
+    actor_step(engine, exps, b, loss, world)
+
+
+def _build(args: argparse.Namespace, dist: Any) -> tuple[Any, int, Any]:
+    import torch  # noqa: PLC0415
+
+    from treadle.trainer.config.deepspeed import DeepSpeedConfig  # noqa: PLC0415
+    from treadle.trainer.config.optim import OptimizerConfig  # noqa: PLC0415
+    from treadle.trainer.models.loading import load_causal_lm  # noqa: PLC0415
+    from treadle.trainer.ops.varlen_attention import register  # noqa: PLC0415
+    from treadle.trainer.strategy.deepspeed import build_engine  # noqa: PLC0415
+
+    spec = VARIANTS[args.variant]
+    dtype = "fp32" if args.cpu else "bf16"
+    if spec["attn"] == "treadle_varlen":
+        register()
+    ds = DeepSpeedConfig(zero_stage=3, param_dtype=dtype, attn_implementation=spec["attn"], packing_samples=True,
+                         **spec["ds"])
+    path = _model_dir(Path(args.model_root), args.size, torch.float32 if args.cpu else torch.bfloat16, dist.device)
+    model = load_causal_lm(str(path), ds, trainable=True, gradient_checkpointing=args.checkpointing)
+    params = sum(p.numel() for p in model.parameters())
+    engine = build_engine(model, ds, OptimizerConfig(), micro_batch=args.micro_batch, grad_accum=1,
+                          world=dist.world, total_steps=10_000)
+    return engine, params, ds
+
+
+def _measure(args: argparse.Namespace, name: str, step: Any, sync: Any) -> dict[str, float]:
+    for _ in range(args.warmup):
+        step()
+    times = [_timed(step, sync) for _ in range(args.steps)]
+    t = statistics.median(times)
+    return {f"{name}_step_s": t, f"{name}_step_s_all": times}
+
+
+def run_variant(args: argparse.Namespace) -> None:
+    """Everything for one (size, variant), on every rank; rank 0 appends the JSON line."""
+    import numpy as np  # noqa: PLC0415
+    import torch  # noqa: PLC0415
+
+    from treadle.trainer.strategy.deepspeed import init_distributed, shutdown_distributed  # noqa: PLC0415
+
+    dist = init_distributed()
+    cuda = dist.device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    t_start = time.perf_counter()
+    try:
+        engine, params, ds = _build(args, dist)
+        shape, mb, seq = SHAPES[args.size], args.micro_batch, args.seq
+        rng = np.random.default_rng(1000 + dist.rank)
+        out: dict[str, Any] = {"size": args.size, "variant": args.variant, "params": params, "world": dist.world,
+                               "micro_batch": mb, "seq": seq, "tokens_per_gpu_step": mb * seq,
+                               "attn": ds.attn_implementation, "overlap_comm": ds.overlap_comm,
+                               "compile_layers": ds.compile_layers,
+                               "prefetch_bucket": ds.zero3_prefetch_bucket_size,
+                               "persistence_threshold": ds.zero3_param_persistence_threshold,
+                               "checkpointing": args.checkpointing, "build_s": time.perf_counter() - t_start}
+        batch = _sft_batch(rng, mb, seq, shape["vocab_size"])
+        out.update(_measure(args, "sft", lambda: _sft_step(engine, batch, dist.world, dist.device), sync))
+        out.update(_sft_step(engine, batch, dist.world, dist.device, sync=sync))
+        exps = _experiences(rng, mb, seq, shape["vocab_size"])
+        out.update(_measure(args, "ppo", lambda: _ppo_step(engine, exps, dist.world, dist.device, mb), sync))
+        if ds.attn_implementation == "treadle_varlen":
+            from treadle.trainer.ops.varlen_attention import kernel_name  # noqa: PLC0415
+
+            out["attn_kernel"] = kernel_name(torch.empty(1, dtype=torch.bfloat16 if cuda else torch.float32,
+                                                         device=dist.device))
+        flops_tok = 6 * params
+        attn_tok = 6 * shape["num_hidden_layers"] * shape["hidden_size"] * seq
+        for name in ("sft", "ppo"):
+            tps = mb * seq / out[f"{name}_step_s"]
+            out[f"{name}_tokens_per_s_gpu"] = tps
+            out[f"{name}_mfu"] = flops_tok * tps / PEAK_FLOPS
+            out[f"{name}_mfu_attn"] = (flops_tok + attn_tok) * tps / PEAK_FLOPS
+        if cuda:
+            out["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        if args.profile:
+            out["profile"] = _profile(lambda: _sft_step(engine, batch, dist.world, dist.device), sync)
+        out["unique_graphs"] = _compiled_graphs()
+        out["total_s"] = time.perf_counter() - t_start
+        if dist.is_main:
+            print("RESULT " + json.dumps(out), flush=True)
+            with open(args.json, "a") as f:
+                f.write(json.dumps(out) + "\n")
+    finally:
+        shutdown_distributed()
+
+
+KERNEL_KINDS = (("nccl", ("nccl",)), ("attention", ("flash", "fmha", "attention")),
+                ("matmul", ("gemm", "nvjet", "cutlass", "sm90_xmma", "wgmma")), ("optimizer", ("adam", "foreach")),
+                ("copy", ("memcpy", "memset", "copy", "cat", "fill")))
+"""Kernel-name substrings -> the kind a profile sums them under (first match; else "elementwise/other")."""
+
+
+def _profile(step: Any, sync: Any) -> dict[str, Any]:
+    """One more SFT step under torch.profiler: GPU kernel seconds by kind (``KERNEL_KINDS``; NCCL
+    kernels run on their own stream, overlapping the others), the step's wall time, and the 12
+    costliest kernels."""
+    from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
+
+    sync()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        step()
+        sync()
+        wall = time.perf_counter() - t0
+    kinds: dict[str, float] = {}
+    kernels = [e for e in prof.key_averages() if e.device_type.name == "CUDA" and e.self_device_time_total > 0]
+    for e in kernels:
+        name = e.key.lower()
+        kind = next((k for k, subs in KERNEL_KINDS if any(x in name for x in subs)), "elementwise/other")
+        kinds[kind] = kinds.get(kind, 0.0) + e.self_device_time_total / 1e6
+    top = sorted(kernels, key=lambda e: -e.self_device_time_total)[:12]
+    return {"wall_s": wall, "kernel_s_by_kind": kinds,
+            "compute_kernel_s": sum(v for k, v in kinds.items() if k != "nccl"),
+            "top": [[e.key[:90], e.self_device_time_total / 1e6, e.count] for e in top]}
+
+
+def _compiled_graphs() -> int:
+    """Graphs dynamo compiled in this process (recompiles show here)."""
+    try:
+        from torch._dynamo.utils import counters  # noqa: PLC0415
+    except ImportError:
+        return -1
+    return int(counters["stats"]["unique_graphs"])
+
+
+# -- the sweep: one torchrun per variant ------------------------------------------------------------
+
+
+def _child_cmd(args: argparse.Namespace, item: str) -> list[str]:
+    """torchrun for one ``size:variant[:micro_batch[:warmup:steps]]`` (omitted parts: the flags')."""
+    size, variant, *rest = item.split(":")
+    mb, warmup, steps = [*rest, *[str(v) for v in (args.micro_batch, args.warmup, args.steps)][len(rest):]]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
+           __file__, "--size", size, "--variant", variant, "--micro-batch", mb,
+           "--seq", str(args.seq), "--warmup", warmup, "--steps", steps,
+           "--json", args.json, "--model-root", args.model_root]
+    flags = [f for f, on in (("--cpu", args.cpu), ("--checkpointing", args.checkpointing), ("--profile", args.profile))
+             if on]
+    return cmd + flags
+
+
+def sweep(args: argparse.Namespace) -> None:
+    """Run each ``size:variant[:micro_batch[:warmup:steps]]`` of ``--sweep`` in turn until
+    ``--deadline-s``; record failures."""
+    env = {**os.environ, "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+           "NVSHMEM_DISABLE_NVLS": "1", "PYTHONUNBUFFERED": "1"}
+    if args.cpu:
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    end = time.monotonic() + args.deadline_s
+    log = open(args.log, "a") if args.log else sys.stdout  # noqa: SIM115
+    for item in args.sweep.split(","):
+        left = end - time.monotonic()
+        if left < args.min_left_s:
+            _record(args.json, item, f"skipped: {left:.0f} s left")
+            continue
+        t0 = time.monotonic()
+        print(f"== {item} (limit {left:.0f} s)", file=log, flush=True)
+        # Its own session, so that a timeout ends torchrun's workers too (they hold the GPUs).
+        proc = subprocess.Popen(_child_cmd(args, item), env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        try:
+            tail, _ = proc.communicate(timeout=left)
+            rc: int | str = proc.returncode
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            tail, _ = proc.communicate()
+            rc = "timeout"
+        noise = ("warn", "return func(", "Loading weights")
+        lines = [ln for ln in tail.splitlines() if ln.strip() and not any(n in ln for n in noise)]
+        print("\n".join(lines[-80:]), file=log, flush=True)
+        result = next((ln for ln in lines if ln.startswith("RESULT ")), None)
+        errors = [ln for ln in lines if ("Error" in ln or "error:" in ln) and "ChildFailedError" not in ln]
+        if result is None:
+            _record(args.json, item, f"rc={rc}: " + " | ".join(errors[:3] or lines[-4:])[-800:])
+        print(f"== {item}: rc={rc}, {time.monotonic() - t0:.0f} s", flush=True)
+        print(result[:300] if result else "   " + (errors[:1] or ["no RESULT"])[0][-300:], flush=True)
+    summary(args.json)
+
+
+def summary(path: str) -> None:
+    """One line per result of ``path``: the table docs/benchmarks.md carries."""
+    print("| size | variant | mb | attn | SFT tok/s/GPU | SFT MFU | PPO tok/s/GPU | PPO MFU | fwd / bwd / opt s "
+          "| peak GiB |")
+    for line in Path(path).read_text().splitlines():
+        r = json.loads(line)
+        if "error" in r:
+            print(f"| {r['item']} | failed: {r['error'][:160]} |")
+            continue
+        print(f"| {r['size']} | {r['variant']} | {r['micro_batch']} | {r.get('attn_kernel', r['attn'])} "
+              f"| {r['sft_tokens_per_s_gpu']:,.0f} | {100 * r['sft_mfu']:.1f}% ({100 * r['sft_mfu_attn']:.1f}%) "
+              f"| {r['ppo_tokens_per_s_gpu']:,.0f} | {100 * r['ppo_mfu']:.1f}% ({100 * r['ppo_mfu_attn']:.1f}%) "
+              f"| {r['forward_s']:.3f} / {r['backward_s']:.3f} / {r['optimizer_s']:.3f} "
+              f"| {r.get('peak_mem_gib', 0):.1f} |")
+    for line in Path(path).read_text().splitlines():
+        r = json.loads(line)
+        if "profile" in r:
+            prof = r["profile"]
+            kinds = ", ".join(f"{k} {v:.3f}" for k, v in sorted(prof["kernel_s_by_kind"].items(), key=lambda kv: -kv[1]))
+            print(f"profile {r['size']} {r['variant']}: step {prof['wall_s']:.3f} s, GPU kernel s: {kinds}")
+
+
+def _record(path: str, item: str, error: str) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps({"item": item, "error": error}) + "\n")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--sweep", help="size:variant,... run one after another (each its own torchrun)")
+    p.add_argument("--size", choices=sorted(SHAPES), default="1.35b")
+    p.add_argument("--variant", choices=sorted(VARIANTS), default="tuned")
+    p.add_argument("--micro-batch", type=int, default=16, help="sequences per rank per step (one packed row)")
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--checkpointing", action="store_true", help="gradient checkpointing on")
+    p.add_argument("--cpu", action="store_true", help="dry run: tiny shapes work best, fp32, gloo")
+    p.add_argument("--profile", action="store_true", help="profile one more SFT step: GPU kernel time by kind")
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--deadline-s", type=float, default=300.0)
+    p.add_argument("--min-left-s", type=float, default=40.0, help="skip a variant with less time left")
+    p.add_argument("--model-root", default="/tmp/treadle_bench_models")
+    p.add_argument("--json", default="bench_gpu_trainer.json")
+    p.add_argument("--log", default=None)
+    return p.parse_args(argv)
+
+
+def main() -> None:
+    args = parse_args()
+    Path(args.model_root).mkdir(parents=True, exist_ok=True)
+    if args.sweep:
+        sweep(args)
+    else:
+        run_variant(args)
+
+
+if __name__ == "__main__":
+    main()
