@@ -17,8 +17,9 @@ from treadle.agents.gateway.config import GatewayConfig
 from treadle.common.config import flag_names
 
 FLAGS = ["--chat_template", "--config", "--default_max_tokens", "--help", "--host", "--max_length",
-         "--max_sessions", "--model", "--port", "--request_timeout_s", "--rollout", "--rollout_curve_dir",
-         "--served_model_name", "--session_ttl_s", "--token", "--token_file", "--tool_parser", "-h"]
+         "--max_sessions", "--max_tokenize_chars", "--model", "--port", "--request_timeout_s", "--rollout",
+         "--rollout_curve_dir", "--served_model_name", "--session_ttl_s", "--token", "--token_file", "--tool_parser",
+         "-h"]
 
 
 def test_flag_set_is_pinned() -> None:

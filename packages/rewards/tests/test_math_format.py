@@ -63,6 +63,68 @@ def test_math_reward_any_extraction_and_unscorable_labels():
     assert label_answer({"ground_truth": " 3 "}) == "3" and label_answer(True) is None
 
 
+# ------------------------------------------------------------------ length caps
+
+
+@pytest.fixture
+def parsed(monkeypatch):
+    """Every (answer, label) pair handed to math-verify, which is still called."""
+    from treadle.rewards import math_reward as module
+
+    seen = []
+    real = module.answers_match
+
+    def spy(predicted, reference):
+        seen.append((predicted, reference))
+        return real(predicted, reference)
+
+    monkeypatch.setattr(module, "answers_match", spy)
+    return seen
+
+
+def _score(queries, labels, **kw):
+    return math_reward(**kw)(RewardBatch(queries=queries, prompts=[""] * len(queries), labels=labels))
+
+
+def test_only_the_tail_of_a_long_response_is_searched(parsed):
+    filler = "lorem ipsum " * 5000  # 60 KB of reasoning, then the answer
+    out = _score([filler + "so \\boxed{4}", "\\boxed{4} " + filler], ["4", "4"])
+    assert out.rewards == [1.0, 0.0] and out.extra_logs["boxed"] == [1.0, 0.0]  # an early box is past the tail
+    assert parsed == [("4", "4")]  # the second never reached math-verify
+    out = _score(["so \\boxed{4}" + "." * 20], ["4"], max_response_chars=25)
+    assert out.rewards == [0.0]  # the box opens 31 characters before the end
+
+
+def test_an_answer_or_label_past_max_answer_chars_is_not_parsed(parsed):
+    huge = "x" * 5000  # inside the default tail; math-verify took ~3 s over it (5 s, its timeout, at 16 KiB)
+    out = _score(["\\boxed{" + huge + "}", "\\boxed{4}", "\\boxed{" + "1" * 64 + "}", "\\boxed{4}"],
+                 ["4", "x" * 20_000, "4", "4"], max_answer_chars=63)
+    assert out.rewards == [0.0, 0.0, 0.0, 1.0] and out.extra_logs["too_long"] == [1.0, 0.0, 1.0, 0.0]
+    assert out.failed == [False, True, False, False] and "math.max_answer_chars (63)" in out.errors[1]
+    assert "20,000 characters" in out.errors[1]
+    assert parsed == [("4", "4")]
+
+
+def test_any_extraction_hands_math_verify_only_the_end_of_the_response(parsed):
+    out = _score(["x" * 50_000 + " the answer is $0.5$"], ["\\frac{1}{2}"], extraction="any", max_answer_chars=100)
+    assert out.rewards == [1.0] and out.extra_logs["too_long"] == [0.0]
+    [(answer, _)] = parsed
+    assert len(answer) == 100 and answer.endswith("the answer is $0.5$")
+
+
+def test_the_caps_are_checked_and_reach_the_function_from_the_flags():
+    from treadle.common.config import ConfigError, parse
+    from treadle.rewards.config import MathConfig, ServeConfig
+    from treadle.rewards.daemon import builtin_params
+
+    with pytest.raises(ValueError, match="max_response_chars and max_answer_chars must be >= 1"):
+        math_reward(max_answer_chars=0)
+    with pytest.raises(ConfigError, match="--math.max_response_chars"):
+        MathConfig(max_response_chars=0)
+    cfg = parse(ServeConfig, ["--functions", "math", "--math.max_answer_chars", "64"])
+    assert builtin_params(cfg, "math") == {"extraction": "boxed", "max_response_chars": 8192, "max_answer_chars": 64}
+
+
 def test_format_checks():
     assert format_ok("<think>a</think> <answer>b</answer>", "think_answer")
     assert not format_ok("<answer>b</answer>", "think_answer")

@@ -210,3 +210,17 @@ def test_the_client_imports_no_torch_vllm_or_transformers():
             "print(sorted(m for m in ('torch', 'vllm', 'transformers') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+# ------------------------------------------------------------------------------ request checks
+
+
+@pytest.mark.parametrize("level", ["x", "2", 1.5, 2.0, True, None, [1], 7, 0])
+def test_sleep_with_a_bad_level_is_a_bad_request_naming_it(level, tmp_path):
+    from treadle.common.records import Control
+    from treadle.rollout.server import RolloutServer
+
+    server = RolloutServer(parse(ServeConfig, ["--model", "m", "--run_dir", str(tmp_path)]))
+    with pytest.raises(BadRequest, match=r"integer level, got level=") as e:
+        asyncio.run(server.sleep(Control(op="sleep", args={"level": level}), None))
+    assert repr(level) in str(e.value) and server.pool.sleeping == 0  # refused before anything changed

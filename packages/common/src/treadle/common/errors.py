@@ -91,6 +91,19 @@ class ServiceClosed(TreadleError):
     retryable = True
 
 
+class ConnectionLost(ServiceClosed):
+    """The connection to the service dropped while the request was in flight.
+
+    The server died, restarted or closed its socket: the request may or may not have run.
+    Raised by the client itself (never sent by a server); the client reconnects on its own, so
+    a retry of an idempotent request can pass. A ``ServiceClosed``, so code that treats a
+    closed service as gone (failover to another engine) treats this the same way.
+    """
+
+    code = "connection_lost"
+    retryable = True
+
+
 class InternalError(TreadleError):
     """The handler raised an unexpected exception."""
 
@@ -101,7 +114,7 @@ ERRORS: dict[str, type[TreadleError]] = {
     cls.code: cls
     for cls in (
         CodecError, VersionMismatch, FrameTooLarge, BadRequest, UnknownMethod, Busy,
-        RequestTimeout, Cancelled, EngineDead, Unauthorized, ServiceClosed, InternalError,
+        RequestTimeout, Cancelled, EngineDead, Unauthorized, ServiceClosed, ConnectionLost, InternalError,
     )
 }
 

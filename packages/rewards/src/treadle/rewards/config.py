@@ -21,7 +21,17 @@ class MathConfig:
     """The built-in ``math`` function (math-verify on the last \\boxed{} answer)."""
 
     extraction: Literal["boxed", "any"] = "boxed"
-    """boxed: only a \\boxed{} answer counts; any: without one, math-verify searches the response."""
+    """boxed: only a \\boxed{} answer counts; any: without one, math-verify searches the response's end."""
+    max_response_chars: int = 8192
+    """Only the last N characters of a response are searched for its answer (a box opening before them is missed)."""
+    max_answer_chars: int = 1024
+    """Longest answer (box content) or label parsed; a longer answer scores wrong, a longer label fails the sample
+    (math-verify's parse time grows fast with length: ~0.3 s at 1 KiB, 5 s at 16 KiB)."""
+
+    def __post_init__(self) -> None:
+        if self.max_response_chars < 1 or self.max_answer_chars < 1:
+            raise ConfigError(f"--math.max_response_chars and --math.max_answer_chars must be >= 1, got "
+                              f"{self.max_response_chars} and {self.max_answer_chars}")
 
 
 @configclass

@@ -34,7 +34,9 @@ log = get_logger(__name__)
 def builtin_params(cfg: ServeConfig, name: str) -> dict[str, Any]:
     """The keyword parameters of built-in ``name`` from its config group."""
     if name == "math":
-        return {"extraction": cfg.math.extraction}
+        m = cfg.math
+        return {"extraction": m.extraction, "max_response_chars": m.max_response_chars,
+                "max_answer_chars": m.max_answer_chars}
     if name == "format":
         return {"pattern": cfg.format.pattern}
     c = cfg.code

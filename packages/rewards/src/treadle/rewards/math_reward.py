@@ -8,8 +8,13 @@ math-verify (``math-verify`` package: LaTeX and plain expressions parsed to symp
 
 math-verify bounds its parsing time with ``signal.alarm``, which works only on a process's main
 thread; elsewhere the bound is off (the daemon runs built-ins in worker processes, on their
-main thread, and kills a worker that hangs). Not here: extracting answers that are not boxed
-beyond what math-verify itself does (``extraction="any"``).
+main thread, and kills a worker that hangs). Its parse time grows faster than the text's length
+(measured here: ~0.3 s for 1 KiB of garbage, 2.5 s for 4 KiB, its 5 s timeout from 16 KiB), so
+each sample is capped before it gets there: only the last ``max_response_chars`` of a response
+are searched for the answer (the answer comes at the end; verl's math scorers keep the last 300
+characters), and an answer or label longer than ``max_answer_chars`` is never parsed (the
+answer scores ``wrong``, the label fails the sample). Not here: extracting answers that are not
+boxed beyond what math-verify itself does (``extraction="any"``).
 """
 
 from __future__ import annotations
@@ -21,6 +26,10 @@ from treadle.rewards.api import RewardBatch, RewardOutput, native
 
 Extraction = Literal["boxed", "any"]
 _BOX_COMMANDS = ("\\boxed", "\\fbox")
+MAX_RESPONSE_CHARS = 8192
+"""Default: characters at the end of a response searched for its answer."""
+MAX_ANSWER_CHARS = 1024
+"""Default: the longest answer (or label) handed to math-verify."""
 
 
 def _balanced(text: str, open_at: int) -> str | None:
@@ -91,37 +100,65 @@ def answers_match(predicted: str, reference: str) -> bool:
     return bool(verify(gold, pred, timeout_seconds=_timeout()))
 
 
-def _extract(response: str, extraction: Extraction) -> str | None:
-    boxed = last_boxed(response)
+def extract_answer(response: str, extraction: Extraction, *, max_response_chars: int = MAX_RESPONSE_CHARS,
+                   max_answer_chars: int = MAX_ANSWER_CHARS) -> tuple[str | None, bool]:
+    """(the answer to verify, whether the response had a box), from the response's last
+    ``max_response_chars`` characters: the last box's content; with ``extraction="any"`` and no
+    box, the last ``max_answer_chars`` characters, for math-verify to search."""
+    tail = response[-max_response_chars:]
+    boxed = last_boxed(tail)
     if boxed is not None or extraction == "boxed":
-        return boxed
-    return response  # "any": let math-verify find the answer in the whole response
+        return boxed, boxed is not None
+    return tail[-max_answer_chars:], False
 
 
-def math_reward(*, extraction: Extraction = "boxed", wrong: float = 0.0, right: float = 1.0) -> Any:
+def _label_error(label: Any, gold: str | None, max_answer_chars: int) -> str:
+    """Why a label cannot be scored ("" when it can)."""
+    if gold is None:
+        return f"label {str(label)[:80]!r} has no answer"
+    if len(gold) > max_answer_chars:
+        return (f"the label's answer has {len(gold):,} characters, beyond math.max_answer_chars "
+                f"({max_answer_chars:,}): not parsed")
+    return ""
+
+
+def math_reward(*, extraction: Extraction = "boxed", wrong: float = 0.0, right: float = 1.0,
+                max_response_chars: int = MAX_RESPONSE_CHARS, max_answer_chars: int = MAX_ANSWER_CHARS) -> Any:
     """The built-in ``math`` reward: ``right`` when the answer matches the label, else ``wrong``.
 
     ``extraction="boxed"``: only a ``\\boxed{}`` answer counts (no box scores ``wrong``);
-    ``"any"``: without a box, math-verify looks for an answer anywhere in the response.
-    A sample whose label has no answer fails (it cannot be scored). extra_logs: ``boxed``
-    (1.0 when the response had a box), ``correct`` (1.0 / 0.0).
+    ``"any"``: without a box, math-verify looks for an answer at the end of the response.
+    Only the last ``max_response_chars`` of a response are looked at; an answer longer than
+    ``max_answer_chars`` scores ``wrong`` unparsed (see the module docstring). A sample whose
+    label has no answer, or one longer than ``max_answer_chars``, fails (it cannot be scored).
+    extra_logs: ``boxed`` (1.0 when the response had a box), ``correct`` (1.0 / 0.0),
+    ``too_long`` (1.0 when the answer was past ``max_answer_chars``).
     """
     if extraction not in ("boxed", "any"):
         raise ValueError(f"extraction must be 'boxed' or 'any', got {extraction!r}")
+    if max_response_chars < 1 or max_answer_chars < 1:
+        raise ValueError(f"max_response_chars and max_answer_chars must be >= 1, got {max_response_chars} "
+                         f"and {max_answer_chars}")
     import math_verify  # noqa: F401, PLC0415  (load sympy now, in the worker's start, not on the first request)
 
-    @native(version="1")
+    @native(version="2")  # 2: the length caps
     def score(batch: RewardBatch) -> RewardOutput:
-        rewards, correct, boxed, failed, errors = [], [], [], [], []
+        rewards, correct, boxed, too_long, errors = [], [], [], [], []
         for response, label in zip(batch.responses, batch.labels, strict=True):
-            answer, gold = _extract(response, extraction), label_answer(label)
-            ok = gold is not None and answer is not None and answers_match(answer, gold)
+            answer, had_box = extract_answer(response, extraction, max_response_chars=max_response_chars,
+                                             max_answer_chars=max_answer_chars)
+            gold = label_answer(label)
+            error = _label_error(label, gold, max_answer_chars)
+            long = answer is not None and len(answer) > max_answer_chars
+            ok = not error and not long and answer is not None and answers_match(answer, gold)  # type: ignore[arg-type]
             rewards.append(right if ok else wrong)
             correct.append(float(ok))
-            boxed.append(float(last_boxed(response) is not None))
-            failed.append(gold is None)
-            errors.append("" if gold is not None else f"label {str(label)[:80]!r} has no answer")
-        return RewardOutput(rewards=rewards, scores=correct, extra_logs={"boxed": boxed, "correct": correct},
+            boxed.append(float(had_box))
+            too_long.append(float(long))
+            errors.append(error)
+        failed = [bool(e) for e in errors]
+        return RewardOutput(rewards=rewards, scores=correct,
+                            extra_logs={"boxed": boxed, "correct": correct, "too_long": too_long},
                             failed=failed if any(failed) else [], errors=errors if any(failed) else [])
 
     return score

@@ -85,7 +85,10 @@ class EngineHandle:
         self.proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "treadle.rollout.worker", self.spec.to_json(),
             env=self._env, stdin=asyncio.subprocess.DEVNULL, start_new_session=True)
-        self.client = RpcClient(self.spec.endpoint, name=f"engine:{self.engine_id}", timeout_s=math.inf)
+        # The process's exit, not the socket's, says the engine died: failing calls on a dropped
+        # connection (before the pool has seen the exit) would fail them over onto this same engine.
+        self.client = RpcClient(self.spec.endpoint, name=f"engine:{self.engine_id}", timeout_s=math.inf,
+                                fail_on_disconnect=False)
         self.started_at = time.monotonic()
         log.info("engine %s: started process %d (cores %s)", self.engine_id, self.proc.pid, list(self.cpus))
 

@@ -192,9 +192,11 @@ class RolloutServer:
     # ------------------------------------------------------------------ control
 
     async def sleep(self, msg: Any, ctx: Any) -> Control:
-        level = int(_args(msg).get("level", 1))
-        if level not in (1, 2):
-            raise BadRequest(f"sleep level must be 1 or 2, got {level}")
+        level = _args(msg).get("level", 1)
+        # type() and not isinstance(): True is an int too, and int() would accept "2" or 1.5
+        if type(level) is not int or level not in (1, 2):
+            raise BadRequest(f"sleep needs Control(args={{'level': 1 or 2}}) with an integer level, "
+                             f"got level={level!r} ({type(level).__name__})")
         self.pool.sleeping = level
         replies = await self.pool.fan_out("sleep", Control(op="sleep", args={"level": level}))
         return _answers(replies, "sleep", lambda r: dict(r.args))

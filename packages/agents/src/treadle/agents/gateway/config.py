@@ -58,6 +58,10 @@ class GatewayConfig:
     """Sessions kept at once; the least recently used beyond it are dropped."""
     request_timeout_s: float = 600.0
     """Longest wait for one generation."""
+    max_tokenize_chars: int = 1 << 20
+    """Most characters of text one request may have tokenized (a /tokenize prompt; a chat's message
+    contents, tool-call arguments and tool schemas), and most tokens /detokenize takes; beyond it
+    HTTP 413. Tokenizing takes ~1 s per MiB of text, on one thread beside the event loop."""
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -77,6 +81,8 @@ class GatewayConfig:
             raise ConfigError("--max_length must be >= 2, --default_max_tokens and --max_sessions >= 1")
         if self.session_ttl_s <= 0 or self.request_timeout_s <= 0:
             raise ConfigError("--session_ttl_s and --request_timeout_s must be > 0")
+        if self.max_tokenize_chars < 1:
+            raise ConfigError(f"--max_tokenize_chars must be >= 1, got {self.max_tokenize_chars}")
 
     def bearer_token(self) -> str | None:
         """The token to require: --token_file's content (stripped), else --token, else None."""

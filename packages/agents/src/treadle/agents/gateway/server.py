@@ -22,16 +22,23 @@ response carries. Requests of one session are served one at a time (a per-sessio
 sessions idle longer than ``session_ttl_s`` (or beyond ``max_sessions``, least recently used
 first) are dropped. With a bearer token every route but /health needs
 ``Authorization: Bearer TOKEN``. Errors are OpenAI-style JSON: 400 malformed, 401 token, 404
-unknown session, 503 when the rollout pool cannot serve (retry), 500 otherwise.
+unknown session, 413 more text than ``max_tokenize_chars``, 503 when the rollout pool cannot
+serve (retry), 500 otherwise.
+
+Templates and the tokenizer run on one thread beside the event loop, never on it: a long text
+takes the tokenizer seconds, and the loop keeps serving other requests (and /health) meanwhile.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import time
 import uuid
 from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +71,21 @@ def _json_error(status: int, message: str, code: str) -> web.Response:
     return web.json_response(error_body(message, code), status=status)
 
 
+def text_chars(value: Any) -> int:
+    """Characters in every string of a JSON value, keys included: the text a request asks to tokenize."""
+    total, stack = 0, [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            total += len(v)
+        elif isinstance(v, dict):
+            stack.extend(v.keys())
+            stack.extend(v.values())
+        elif isinstance(v, (list, tuple)):
+            stack.extend(v)
+    return total
+
+
 class Gateway:
     """One gateway: an aiohttp app, the rollout client, and the sessions."""
 
@@ -79,6 +101,9 @@ class Gateway:
         self._sampler: RolloutSampler | None = None
         self._runner: web.AppRunner | None = None
         self._janitor: asyncio.Task[None] | None = None
+        # One thread: a transformers tokenizer is not safe to share between threads (its
+        # truncation settings are mutable state), and one bounds the cores tokenizing can take.
+        self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gateway-tokenizer")
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -106,6 +131,7 @@ class Gateway:
             if self._runner is not None:
                 await self._runner.cleanup()
         finally:
+            self._tokenizer_thread.shutdown(wait=False, cancel_futures=True)
             if self._rollout is not None:
                 await self._rollout.close()
 
@@ -180,6 +206,22 @@ class Gateway:
             raise RequestError(f"the body holds a value that cannot be used: {e}") from None
         return body
 
+    async def _off_loop(self, fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
+        """``fn(*args, **kw)`` on the tokenizer thread (templates, encode, decode of long inputs)."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread,
+                                                                functools.partial(fn, *args, **kw))
+
+    def _check_size(self, n: int, what: str = "characters of text to tokenize") -> None:
+        """RequestError (413) when ``n`` exceeds ``max_tokenize_chars``, naming both and the flag."""
+        limit = self.cfg.max_tokenize_chars
+        if n > limit:
+            raise RequestError(f"the request holds {n:,} {what}; this gateway takes at most {limit:,} per "
+                               f"request (--max_tokenize_chars)", code="text_too_long", status=413)
+
+    def _render_ids(self, msgs: list[Any], tools: Any, add_generation_prompt: bool) -> list[int]:
+        text = self.chat.render(msgs, tools=tools, add_generation_prompt=add_generation_prompt)
+        return self.chat.encode(text).tolist()
+
     async def health(self, request: web.Request) -> web.Response:
         try:
             rollout = await self._rollout.health(timeout=5.0)
@@ -207,11 +249,12 @@ class Gateway:
 
     async def chat_completions(self, request: web.Request) -> web.Response:
         req = parse_chat(await self._body(request), request.headers.get("X-Session-Id"))
+        self._check_size(text_chars([req.messages, req.tools]))
         self.counters["requests"] += 1
         sid = req.session_id or uuid.uuid4().hex
         session = self._session(sid)
-        async with session.lock:
-            prep = session.prepare(req.messages, req.tools, self.chat)
+        async with session.lock:  # held across the thread hop: nothing else touches this session meanwhile
+            prep = await self._off_loop(session.prepare, req.messages, req.tools, self.chat)
             room = self.cfg.max_length - prep.prompt.shape[0]
             if room <= 0:
                 raise RequestError(f"the session has {prep.prompt.shape[0]} tokens; max_length is "
@@ -251,21 +294,26 @@ class Gateway:
             if not isinstance(body["messages"] or [], list):
                 raise RequestError("messages must be a list")
             msgs = [normalize_message(m, i) for i, m in enumerate(body["messages"] or [])]
-            text = self.chat.render(msgs, tools=body.get("tools") or None,
-                                    add_generation_prompt=bool(body.get("add_generation_prompt", True)))
+            tools = body.get("tools") or None
+            self._check_size(text_chars([msgs, tools]))
+            ids = await self._off_loop(self._render_ids, msgs, tools, bool(body.get("add_generation_prompt", True)))
         elif isinstance(body.get("prompt"), str):
-            text = body["prompt"]
+            self._check_size(len(body["prompt"]))
+            ids = (await self._off_loop(self.chat.encode, body["prompt"])).tolist()
         else:
             raise RequestError('give "messages" (a chat) or "prompt" (text)')
-        ids = self.chat.encode(text).tolist()
         return web.json_response({"tokens": ids, "count": len(ids), "max_model_len": self.cfg.max_length})
 
     async def detokenize(self, request: web.Request) -> web.Response:
         body = await self._body(request)
         tokens = body.get("tokens") if isinstance(body, dict) else None
-        if not isinstance(tokens, list) or not all(isinstance(t, int) and 0 <= t < 2**32 for t in tokens):
+        if not isinstance(tokens, list):
             raise RequestError('"tokens" must be a list of token ids (integers in [0, 2**32))')
-        return web.json_response({"prompt": self.chat.decode(tokens, skip_special_tokens=False)})
+        self._check_size(len(tokens), "tokens to detokenize")
+        if not all(isinstance(t, int) and 0 <= t < 2**32 for t in tokens):
+            raise RequestError('"tokens" must be a list of token ids (integers in [0, 2**32))')
+        text = await self._off_loop(self.chat.decode, tokens, skip_special_tokens=False)
+        return web.json_response({"prompt": text})
 
     async def list_sessions(self, request: web.Request) -> web.Response:
         return web.json_response({"sessions": [s.summary() for s in self.sessions.values()]})

@@ -10,12 +10,17 @@ The ZeroMQ descriptor is edge-triggered: it only signals *new* activity, so befo
 pump reads ``ZMQ_EVENTS`` (which also clears the signal) and keeps working if a message is
 already waiting.
 
+A pump may also own the socket's monitor (a PAIR socket carrying connection events): it reads
+events only once the socket has been drained, and drains it once more before handing them on,
+so that a reply which arrived before its connection dropped is delivered before the drop.
+
 Not here: what messages mean (``server`` / ``client``), socket options (``transport``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections import deque
 from collections.abc import Callable
@@ -23,6 +28,7 @@ from typing import Any
 
 import zmq
 import zmq.backend
+from zmq.utils.monitor import parse_monitor_message
 
 log = logging.getLogger(__name__)
 
@@ -49,20 +55,26 @@ class Pump:
     with ``routed``, the first (a ROUTER's peer identity, a dict key); with ``header_as_bytes``,
     the message's own first frame, its header (small, and decoded faster from ``bytes``).
     ``on_send_error(frames, exc)`` is told about a message that could not be sent (its peer is
-    gone); it is dropped. The pump closes the socket when it ends (``linger_ms`` for queued
-    messages to leave), however it ends.
+    gone); it is dropped. ``monitor`` (from ``sock.get_monitor_socket``) passes each connection
+    event (``zmq.EVENT_*``) to ``on_event``. The pump closes the socket (and the monitor) when it
+    ends (``linger_ms`` for queued messages to leave), however it ends.
     """
 
     __slots__ = ("_sock", "_on_message", "_on_send_error", "_routed", "_header_as_bytes", "_outbox",
-                 "_wake", "_stopping", "_task", "_linger_ms", "_retry_s")
+                 "_wake", "_stopping", "_task", "_linger_ms", "_retry_s", "_monitor", "_on_event",
+                 "_events_waiting")
 
     def __init__(self, sock: zmq.Socket, on_message: Callable[[list[Any]], None], *,
                  routed: bool, header_as_bytes: bool = True,
                  on_send_error: Callable[[list[Any], Exception], None] | None = None,
-                 linger_ms: int = 1000) -> None:
+                 linger_ms: int = 1000, monitor: zmq.Socket | None = None,
+                 on_event: Callable[[int], None] | None = None) -> None:
         self._sock = sock
         self._on_message = on_message
         self._on_send_error = on_send_error
+        self._monitor = monitor
+        self._on_event = on_event
+        self._events_waiting = monitor is not None  # read once at start: events may predate the reader
         self._routed = routed
         self._header_as_bytes = header_as_bytes
         self._outbox: deque[list[Any]] = deque()
@@ -98,10 +110,17 @@ class Pump:
         if wake is not None and not wake.done():
             wake.set_result(None)
 
+    def _monitor_ready(self) -> None:
+        self._events_waiting = True
+        self._poke()
+
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         fd = self._sock.getsockopt(zmq.FD)
         loop.add_reader(fd, self._poke)
+        mfd = self._monitor.getsockopt(zmq.FD) if self._monitor is not None else None
+        if mfd is not None:
+            loop.add_reader(mfd, self._monitor_ready)
         try:
             while True:
                 blocked = self._flush()
@@ -117,6 +136,8 @@ class Pump:
                     continue
                 if self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
                     continue  # arrived while we were sending; the descriptor will not fire for it
+                if self._events_waiting and self._read_events():
+                    continue
                 self._wake = loop.create_future()
                 retry = None
                 if blocked:  # no peer can take it (e.g. reconnecting): retry, backing off
@@ -130,7 +151,38 @@ class Pump:
                         retry.cancel()
         finally:
             loop.remove_reader(fd)
+            if mfd is not None:
+                loop.remove_reader(mfd)
+                with contextlib.suppress(zmq.ZMQError):
+                    self._sock.disable_monitor()
+                self._monitor.close(linger=0)  # type: ignore[union-attr]
             self._sock.close(linger=self._linger_ms)
+
+    def _read_events(self) -> bool:
+        """Hand waiting monitor events to ``on_event``, after the messages that came before them.
+
+        True when there were any. libzmq queues a connection's last messages before it reports
+        the connection's end, so one more drain here delivers them first.
+        """
+        self._events_waiting = False
+        events = []
+        while True:
+            try:
+                frames = self._monitor.recv_multipart(_NOBLOCK)  # type: ignore[union-attr]
+            except zmq.Again:
+                break
+            events.append(parse_monitor_message(frames)["event"])
+        if not events:
+            return False
+        while self._drain() == RECV_BATCH:
+            pass
+        for event in events:
+            if self._on_event is not None:
+                try:
+                    self._on_event(event)
+                except Exception:  # a bug in a listener must not kill the socket's owner
+                    log.exception("connection event handler failed")
+        return True
 
     def _flush(self) -> bool:
         """Send queued messages; True when the socket would block (the rest stay queued)."""

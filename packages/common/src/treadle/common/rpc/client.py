@@ -8,6 +8,14 @@ sends ``cancel`` so the server stops working on it. After ``close()`` every call
 ``ServiceClosed``. One task (the ``Pump``) owns the socket; it starts with the first request, in
 the running loop, and the client stays bound to that loop.
 
+When an established connection drops (the server was killed, or closed), every request in
+flight fails at once with ``ConnectionLost`` (retryable) instead of waiting for its timeout: the
+socket's monitor reports the drop. ZeroMQ reconnects by itself, so later requests wait for the
+server to come back (until their timeout) and then go through. A peer that vanishes without
+closing its TCP connection (a host powered off) is still only noticed by the timeout. A client
+with a better signal of its server's death (a parent watching its child process) can turn this
+off with ``fail_on_disconnect=False``.
+
 Not here: the blocking wrapper (``sync.SyncRpcClient``).
 """
 
@@ -20,7 +28,7 @@ import logging
 import math
 import threading
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import zmq
@@ -29,6 +37,7 @@ from treadle.common import env
 from treadle.common.codec import StreamDecoder, encode, peek_header
 from treadle.common.errors import (
     CodecError,
+    ConnectionLost,
     RequestTimeout,
     ServiceClosed,
     TreadleError,
@@ -69,7 +78,8 @@ class RpcClient:
 
     def __init__(self, endpoint: str, *, name: str = "", curve: ClientCurve | None = None,
                  timeout_s: float | None = None, max_frame_bytes: int | None = None,
-                 context: zmq.Context | None = None, linger_s: float = 0.2) -> None:
+                 context: zmq.Context | None = None, linger_s: float = 0.2,
+                 fail_on_disconnect: bool = True) -> None:
         self.endpoint = transport.check_endpoint(endpoint, secure=curve is not None, role="connect")
         self.name = name or endpoint
         self._curve = curve
@@ -91,6 +101,9 @@ class RpcClient:
         keeps insertion order), so these need no heap."""
         self._deadline_timer: asyncio.TimerHandle | None = None
         self._deadline_at = math.inf
+        self._fail_on_disconnect = fail_on_disconnect
+        self._connected = False
+        """A connection to the server completed its handshake and has not dropped since."""
 
     @property
     def closed(self) -> bool:
@@ -108,16 +121,23 @@ class RpcClient:
         self._thread = _get_ident()
         ctx = self._context or zmq.Context.instance()
         sock = ctx.socket(zmq.DEALER)
+        monitor = None
         try:
             transport.configure(sock, self.endpoint, max_frame_bytes=self._max_frame)
             sock.setsockopt(zmq.RCVHWM, 0)  # replies to our own requests: always take them
             if self._curve is not None:
                 apply_client(sock, self._curve)
+            if self._fail_on_disconnect:
+                monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
             sock.connect(self.endpoint)
         except BaseException:
+            if monitor is not None:
+                sock.disable_monitor()
+                monitor.close(linger=0)
             sock.close(linger=0)
             raise
-        self._pump = Pump(sock, self._on_message, routed=False, linger_ms=self._linger_ms)
+        self._pump = Pump(sock, self._on_message, routed=False, linger_ms=self._linger_ms,
+                          monitor=monitor, on_event=self._on_event)
         self._pump.start(name=f"rpc-client:{self.name}").add_done_callback(self._pump_done)
         return self._pump
 
@@ -139,12 +159,37 @@ class RpcClient:
         else:
             log.error("client of %s: socket task failed", self.endpoint, exc_info=task.exception())
         self._closed = True
-        for pending in self._pending.values():
-            err = ServiceClosed(f"client of {self.endpoint} lost its socket task")
+        self._fail_pending(lambda rid: ServiceClosed(f"client of {self.endpoint} lost its socket task"))
+
+    def _fail_pending(self, error: Callable[[int], TreadleError]) -> None:
+        """Fail every request in flight with ``error(request id)``."""
+        for rid, pending in list(self._pending.items()):
             if isinstance(pending, _StreamSink):
-                pending.push(err)
+                if not pending.finished:
+                    pending.push(error(rid))
             elif not pending.done():
-                pending.set_exception(err)
+                pending.set_exception(error(rid))
+
+    def _on_event(self, event: int) -> None:
+        """A connection event from the socket's monitor (run by the pump, after every message
+        that arrived before it)."""
+        if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            self._connected = True
+        elif event == zmq.EVENT_DISCONNECTED and self._connected:
+            # Only a connection that was up: a failed handshake (wrong CURVE key) also ends in
+            # EVENT_DISCONNECTED, but then nothing was delivered and the timeout says more.
+            self._connected = False
+            if self._pending:
+                log.warning("client of %s: connection lost with %d request(s) in flight; failing them",
+                            self.endpoint, len(self._pending))
+            self._fail_pending(self._lost_error)
+
+    def _lost_error(self, rid: int) -> ConnectionLost:
+        return ConnectionLost(
+            f"lost the connection to {self.endpoint} while request {rid} was in flight (the server died, "
+            f"restarted or closed); it may or may not have run. The client reconnects by itself: retry "
+            f"if the request is idempotent"
+        )
 
     def _timeout(self, timeout: float | None) -> float:
         t = self._timeout_s if timeout is None else float(timeout)
