@@ -281,8 +281,12 @@ def test_async_run_through_the_launcher_keeps_the_staleness_bound(tiny, arith, h
     rows = metrics(tmp_path)
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert all(r["staleness/max"] <= 1 for r in rows)
-    for step, ts in trained(tmp_path, tmp_path).items():  # trained at weights of version step - 1
-        assert all(0 <= (step - 1) - t.min_policy_version <= 1 for t in ts), step
+    # the launcher hands the trainer its daemon (--vllm.endpoint), so the trainer first syncs its
+    # weights as version 1 (trainers/ppo.py _first_sync); step k trains at version k, then publishes k + 1
+    assert [r["version"] for r in rows] == [2, 3, 4]
+    for step, ts in trained(tmp_path, tmp_path).items():
+        current = int(rows[step - 1]["version"]) - 1  # the weights this step trained from
+        assert all(0 <= current - t.min_policy_version <= 1 for t in ts), step
     # it did run ahead: batch 2 was generated while step 1 trained (as in trainer/tests/test_ppo.py)
     assert any(r["staleness/max"] == 1 for r in rows[1:])
     rollout_cmd = helpers.run_json(tmp_path / "run")["components"]["rollout"]["cmd"]
