@@ -19,7 +19,7 @@ from treadle.trainer.losses.preference import (
 )
 from treadle.trainer.losses.rm import RM_LOSSES, logexp_loss, pair_accuracy, sigmoid_loss
 from treadle.trainer.losses.sft import nll_loss
-from treadle.trainer.ops.logprobs import sequence_sums, token_entropy, token_logprobs
+from treadle.trainer.ops.logprobs import picked_logprobs, sequence_sums, token_entropy, token_logprobs
 
 T = torch.tensor
 
@@ -34,6 +34,34 @@ def test_token_logprobs_by_hand():
     # temperature 2 halves the logits: [0, ln 3 / 2] -> p1 = sqrt3 / (1 + sqrt3)
     s3 = math.sqrt(3.0)
     assert token_logprobs(logits, ids, 2.0)[0, 1].item() == pytest.approx(math.log(s3 / (1 + s3)), abs=1e-6)
+
+
+def _reference_logprobs(logits, ids, tau):  # the plain fp32 formula the chunked function replaces
+    z = logits.float() / tau
+    return z.gather(-1, ids[..., None]).squeeze(-1) - torch.logsumexp(z, dim=-1)
+
+
+@pytest.mark.parametrize(("dtype", "tau", "chunk", "tol"), [
+    (torch.float32, 1.0, 3, 1e-6), (torch.float32, 0.7, 1, 1e-6), (torch.float32, 1.0, 4096, 1e-6),
+    (torch.bfloat16, 1.3, 5, 1e-5)])
+def test_chunked_logprobs_equal_the_fp32_formula_in_value_and_gradient(dtype, tau, chunk, tol):
+    g = torch.Generator().manual_seed(0)
+    base = (torch.randn(3, 11, 37, generator=g) * 4).to(dtype)
+    ids = torch.randint(0, 37, (3, 10), generator=g)
+    weights = torch.randn(3, 10, generator=g)
+    a, b = base.clone().requires_grad_(), base.clone().requires_grad_()
+    got = picked_logprobs(a[:, :-1], ids, tau, chunk)  # a strided view, as token_logprobs passes
+    want = _reference_logprobs(b[:, :-1], ids, tau)
+    assert got.dtype == torch.float32 and torch.allclose(got, want, atol=tol, rtol=0)
+    (got * weights).sum().backward()
+    (want * weights).sum().backward()
+    assert a.grad.dtype == dtype and torch.equal(a.grad[:, -1], torch.zeros_like(a.grad[:, -1]))
+    assert torch.allclose(a.grad.float(), b.grad.float(), atol=1e-2 if dtype == torch.bfloat16 else 1e-6, rtol=0)
+
+
+def test_chunked_logprobs_refuse_a_zero_chunk():
+    with pytest.raises(ValueError, match="chunk must be >= 1, got 0"):
+        picked_logprobs(torch.zeros(1, 2, 3), torch.zeros(1, 2, dtype=torch.long), chunk=0)
 
 
 def test_token_entropy_by_hand():

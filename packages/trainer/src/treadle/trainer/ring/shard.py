@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from treadle.trainer.data.batching import SeqBatch
+from treadle.trainer.ops.logprobs import picked_logprobs
 from treadle.trainer.ring.blocks import Plan
 from treadle.trainer.ring.blocks import plan as make_plan
 from treadle.trainer.ring.group import RingGroup
@@ -124,10 +125,7 @@ def next_token_logprobs(logits: Tensor, next_ids: Tensor, temperature: float = 1
 
     logits ``[1, T_local, V]`` (computed in fp32), next_ids ``[1, T_local]`` -> ``[1, T_local]`` fp32.
     """
-    z = logits.float()
-    if temperature != 1.0:
-        z = z / temperature
-    return z.gather(-1, next_ids[..., None]).squeeze(-1) - torch.logsumexp(z, dim=-1)
+    return picked_logprobs(logits, next_ids, temperature)
 
 
 def next_token_entropy(logits: Tensor, temperature: float = 1.0) -> Tensor:
