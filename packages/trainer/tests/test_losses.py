@@ -19,7 +19,12 @@ from treadle.trainer.losses.preference import (
 )
 from treadle.trainer.losses.rm import RM_LOSSES, logexp_loss, pair_accuracy, sigmoid_loss
 from treadle.trainer.losses.sft import nll_loss
-from treadle.trainer.ops.logprobs import picked_logprobs, sequence_sums, token_entropy, token_logprobs
+from treadle.trainer.ops.logprobs import (
+    picked_logprobs,
+    sequence_sums,
+    token_entropy,
+    token_logprobs,
+)
 
 T = torch.tensor
 
