@@ -341,3 +341,56 @@ def test_an_engine_killed_mid_step_is_restarted_and_the_run_carries_on(backend, 
     assert f"exited with status {-signal.SIGKILL}" in log.read_text()
     assert d.poll() is None or d.returncode == 0
 
+
+
+def _own_address() -> str | None:
+    """An IPv4 address of this machine that is not loopback (the stand-in for another host's view of it)."""
+    import psutil
+
+    for addrs in psutil.net_if_addrs().values():
+        for a in addrs:
+            if a.family.name == "AF_INET" and not a.address.startswith("127."):
+                return a.address
+    return None
+
+
+@pytest.mark.slow
+def test_grpo_against_daemons_off_loopback_with_curve_keys_and_a_token(tiny, arith, helpers, tmp_path):
+    """The daemons bound on a non-loopback address, as on another host: they serve only with
+    CURVE (ZeroMQ) and a bearer token (HTTP); the trainer reaches them with --vllm.curve_dir,
+    --reward.curve_dir or --reward.token_file, and hosts its weight group on --vllm.sync_host."""
+    from treadle.common.rpc import generate_keys, load_client_keys
+    from treadle.integration.procs import free_ports
+    from treadle.rollout.client import SyncRolloutClient
+
+    host = _own_address()
+    if host is None:
+        pytest.skip("this machine has no non-loopback IPv4 address")
+    keys, token = tmp_path / "keys", tmp_path / "token"
+    generate_keys(keys)
+    token.write_text("s3cret-token\n")
+    token.chmod(0o600)
+    rport, zport, hport = free_ports(3)
+    rollout_ep, reward_ep = f"tcp://{host}:{rport}", f"tcp://{host}:{zport}"
+    rollout = [sys.executable, "-m", "treadle.rollout", "serve", "--model", str(tiny), "--engines", "1", "--backend",
+               "hf", "--endpoint", rollout_ep, "--curve_dir", str(keys), "--engine.dtype", "float32",
+               "--engine.max_model_len", "256", "--no_cpu_bind"]
+    rewards = [console("treadle-rewards"), "serve", "--functions", str(reward_file(tmp_path)[0]), "--workers.num_workers",
+               "1", "--zmq.endpoint", reward_ep, "--zmq.curve_dir", str(keys), "--http.host", host, "--http.port",
+               str(hport), "--http.token_file", str(token)]
+    common = ("--algo.advantage.estimator", "group_norm", "--rollout.n_samples_per_prompt", "4", "--train.batch_size",
+              "16", "--data.max_samples", "8", "--algo.kl.init_coef", "0", "--vllm.endpoint", rollout_ep,
+              "--vllm.curve_dir", str(keys), "--vllm.sync_host", host)
+    with daemon(rollout, tmp_path / "rollout.log", helpers), daemon(rewards, tmp_path / "rewards.log", helpers), \
+            SyncRolloutClient(rollout_ep, curve=load_client_keys(keys)) as rc:
+        rc.wait_ready(timeout=300)
+        helpers.wait_for(lambda: http_ok(f"http://{host}:{hport}/health"), 120, what="the reward daemon")
+        for name, reward in (("zmq", ["--reward.remote_url", reward_ep, "--reward.curve_dir", str(keys)]),
+                             ("http", ["--reward.remote_url", f"http://{host}:{hport}/get_reward",
+                                       "--reward.token_file", str(token)])):
+            out = tmp_path / name
+            trainer("ppo", *ppo_args(tiny, arith.prompts, out, *common, *reward), helpers=helpers)
+            rows = metrics(out)
+            assert [r["step"] for r in rows] == [1, 2], name
+            assert all(r["logprob_gap/max"] <= 1e-3 for r in rows), name  # the engine runs the synced weights
+        assert rc.health()["version"] >= 2

@@ -74,3 +74,34 @@ def test_daemon_reward_timeouts_are_retried_then_fail(aio) -> None:
             aio(src.score("q", "p", "1"))
     finally:
         aio(src.close())
+
+
+def test_a_credentialed_reward_daemon_answers_the_trainers_keys_and_token_only(aio, tmp_path) -> None:
+    """A reward daemon off loopback must run with CURVE (ZeroMQ) and a bearer token (HTTP); the
+    trainer's ``--reward.curve_dir`` / ``--reward.token`` reach it through ``reward_source``."""
+    from treadle.agents.rewards import reward_source
+    from treadle.common.rpc import generate_keys
+    from treadle.rewards.config import HttpConfig, ServeConfig, ZmqConfig
+    from treadle.rewards.daemon import DaemonThread
+
+    generate_keys(tmp_path)
+    d = DaemonThread(ServeConfig(functions=("format",), http=HttpConfig(port=0, token="s3cret"),
+                                 zmq=ZmqConfig(endpoint="tcp://127.0.0.1:0", curve_dir=str(tmp_path))))
+    d.start()
+    good = "<think>a</think><answer>b</answer>"
+    zmq, url = d.daemon.addresses.zmq, f"{d.daemon.addresses.http}/get_reward"
+    sources = {"zmq_keys": reward_source(zmq, curve_dir=str(tmp_path), timeout_s=30, retry_s=0),
+               "zmq_none": reward_source(zmq, timeout_s=0.5, retry_s=0),
+               "http_token": reward_source(url, token="s3cret", timeout_s=30, retry_s=0),
+               "http_none": reward_source(url, timeout_s=30, retry_s=0)}
+    try:
+        assert aio(sources["zmq_keys"].score(good, "", None)).reward == 1.0
+        assert aio(sources["http_token"].score(good, "", None)).reward == 1.0
+        with pytest.raises(RewardFailed, match="RequestTimeout"):  # the CURVE handshake never completes
+            aio(sources["zmq_none"].score(good, "", None))
+        with pytest.raises(RewardFailed, match=r"not retryable.*401"):
+            aio(sources["http_none"].score(good, "", None))
+    finally:
+        for src in sources.values():
+            aio(src.close())
+        d.stop()

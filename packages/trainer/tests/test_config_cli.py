@@ -487,3 +487,29 @@ def test_dpo_and_kto_commands_parse_and_check_their_losses():
         parse_kto([*base, "--train.batch_size", "1", "--train.micro_batch_size", "1"])
     with pytest.raises(ConfigError, match="--ipo was renamed: use --actor.loss_type"):
         parse_dpo([*base, "--ipo"])
+
+
+@pytest.mark.parametrize(("extra", "flag"), [
+    (["--vllm.endpoint", "tcp://10.1.2.3:5570"], "--vllm.curve_dir"),
+    (["--reward.remote_url", "tcp://10.1.2.3:5555"], "--reward.curve_dir")])
+def test_a_daemon_off_loopback_needs_the_clients_curve_keys(extra, flag, tmp_path):
+    argv = ["--actor.model_name_or_path", "m", "--data.prompt_dataset", "p.jsonl", "--algo.advantage.estimator",
+            "group_norm", "--rollout.n_samples_per_prompt", "4", "--reward.remote_url", "reward.py"]
+    if extra[0] == "--reward.remote_url":
+        argv = argv[:-2]
+    with pytest.raises(ConfigError, match=rf"10\.1\.2\.3.*{flag}"):
+        parse_ppo([*argv, *extra])
+    if flag == "--vllm.curve_dir":  # its engines must reach the weight group on this host, too
+        with pytest.raises(ConfigError, match="--vllm.sync_host"):
+            parse_ppo([*argv, *extra, flag, str(tmp_path)])
+        extra = [*extra, "--vllm.sync_host", "10.1.2.9"]
+    cfg = parse_ppo([*argv, *extra, flag, str(tmp_path)])  # keys are loaded when the trainer connects
+    assert str(tmp_path) in (cfg.vllm.curve_dir, cfg.reward.curve_dir)
+
+
+def test_reward_token_file_is_read_and_checked(tmp_path):
+    (tmp_path / "tok").write_text("s3cret\n")
+    cfg = parse_ppo([*ppo_argv(), "--reward.token_file", str(tmp_path / "tok")])
+    assert cfg.reward.bearer == "s3cret"
+    with pytest.raises(ConfigError, match="--reward.token_file .*missing is not a file"):
+        parse_ppo([*ppo_argv(), "--reward.token_file", str(tmp_path / "missing")])

@@ -123,10 +123,11 @@ class FunctionReward:
 class DaemonReward:
     """``treadle-rewards serve`` over ZeroMQ (``treadle.rewards.client.RewardClient``), retried."""
 
-    def __init__(self, endpoint: str, *, timeout_s: float = TIMEOUT_S, retry_s: float = RETRY_S) -> None:
+    def __init__(self, endpoint: str, *, timeout_s: float = TIMEOUT_S, retry_s: float = RETRY_S,
+                 curve: Any = None) -> None:
         from treadle.rewards.client import RewardClient  # noqa: PLC0415
 
-        self.client = RewardClient(endpoint, timeout_s=timeout_s)
+        self.client = RewardClient(endpoint, timeout_s=timeout_s, curve=curve)
         self.endpoint = endpoint
         self.retry_s = retry_s
 
@@ -157,17 +158,20 @@ def _http_retryable(e: BaseException) -> bool:
 class HttpReward:
     """A remote reward URL with OpenRLHF's ``/get_reward`` JSON contract (aiohttp, retried)."""
 
-    def __init__(self, url: str, *, timeout_s: float = TIMEOUT_S, retry_s: float = RETRY_S) -> None:
+    def __init__(self, url: str, *, timeout_s: float = TIMEOUT_S, retry_s: float = RETRY_S,
+                 token: str | None = None) -> None:
         self.url = url
         self.timeout_s = timeout_s
         self.retry_s = retry_s
+        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._session: Any = None
 
     async def _post(self, body: dict[str, Any]) -> dict[str, Any]:
         import aiohttp  # noqa: PLC0415
 
         if self._session is None:
-            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout_s))
+            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout_s),
+                                                  headers=self._headers)
 
         async def once() -> dict[str, Any]:
             async with self._session.post(self.url, json=body) as resp:
@@ -192,10 +196,16 @@ class HttpReward:
             self._session = None
 
 
-def reward_source(ref: str, *, timeout_s: float = TIMEOUT_S, retry_s: float = RETRY_S) -> RewardSource:
-    """The source a reference names (see the module docstring); remote ones retry as it says."""
+def reward_source(ref: str, *, timeout_s: float = TIMEOUT_S, retry_s: float = RETRY_S, curve_dir: str = "",
+                  token: str | None = None) -> RewardSource:
+    """The source a reference names (see the module docstring); remote ones retry as it says.
+    ``curve_dir``: CURVE client keys for a ZeroMQ daemon (``treadle-keys generate``); ``token``:
+    the bearer token of an HTTP endpoint."""
     if ref.startswith(("http://", "https://")):
-        return HttpReward(ref, timeout_s=timeout_s, retry_s=retry_s)
+        return HttpReward(ref, timeout_s=timeout_s, retry_s=retry_s, token=token)
     if ref.startswith(("tcp://", "ipc://")):
-        return DaemonReward(ref, timeout_s=timeout_s, retry_s=retry_s)
+        from treadle.common.rpc import load_client_keys  # noqa: PLC0415
+
+        curve = load_client_keys(curve_dir) if curve_dir else None
+        return DaemonReward(ref, timeout_s=timeout_s, retry_s=retry_s, curve=curve)
     return FunctionReward(ref)

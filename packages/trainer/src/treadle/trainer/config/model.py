@@ -7,9 +7,10 @@ their own placement (``num_nodes`` x ``num_gpus_per_node``) and optimizer (``--a
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Literal
 
-from treadle.common.config import ConfigError, configclass
+from treadle.common.config import ConfigError, configclass, secret
 from treadle.trainer.config.optim import OptimizerConfig
 
 
@@ -238,6 +239,13 @@ class RewardConfig:
     retry_s: float = 600.0
     """A remote reward that fails in a way that may pass (down, restarting, timed out, busy) is
     retried for this long before the sample counts as failed."""
+    curve_dir: str = ""
+    """CURVE client keys (client.key_secret + server.key, `treadle-keys generate`) for a
+    `treadle-rewards serve` at tcp://; needed when it is not on loopback."""
+    token: str | None = secret()
+    """Bearer token sent to an HTTP reward URL (a `treadle-rewards serve --http.token`)."""
+    token_file: str | None = None
+    """Read that token from this file instead (keeps it out of `ps`)."""
     num_nodes: int = 1
     """Nodes of the reward-model group."""
     num_gpus_per_node: int = 8
@@ -261,6 +269,10 @@ class RewardConfig:
         if not self.timeout_s > 0 or self.retry_s < 0:
             raise ConfigError(f"--reward.timeout_s must be > 0 and --reward.retry_s >= 0, got "
                               f"{self.timeout_s} and {self.retry_s}")
+        for url in self.remote_urls:
+            require_client_keys(url, self.curve_dir, "--reward.curve_dir")
+        if self.token_file is not None and not Path(self.token_file).is_file():
+            raise ConfigError(f"--reward.token_file {self.token_file} is not a file")
         low, high = self.clip_range
         if not low < high:
             raise ConfigError(f"--clip_range must be low < high, got {list(self.clip_range)}")
@@ -279,3 +291,26 @@ class RewardConfig:
     def remote_urls(self) -> tuple[str, ...]:
         """The remote rewards, split."""
         return tuple(u.strip() for u in (self.remote_url or "").split(",") if u.strip())
+
+    @property
+    def bearer(self) -> str | None:
+        """The HTTP bearer token: ``token_file``'s first line, else ``token``."""
+        if self.token_file is not None:
+            return Path(self.token_file).read_text().strip() or None
+        return self.token
+
+
+def require_client_keys(endpoint: str, curve_dir: str, flag: str) -> None:
+    """ConfigError naming ``flag`` for a tcp endpoint off loopback without CURVE keys: treadle's
+    daemons only bind such addresses with CURVE, so a client without keys could never connect."""
+    from treadle.common.rpc.transport import is_loopback, split_tcp  # noqa: PLC0415
+
+    if not endpoint.startswith("tcp://") or curve_dir:
+        return
+    try:
+        host, _ = split_tcp(endpoint)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+    if not is_loopback(host):
+        raise ConfigError(f"{endpoint} is not on loopback: treadle daemons serve such addresses only with CURVE; "
+                          f"give the client keys with {flag} DIR (treadle-keys generate DIR)")

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Annotated, Literal
 
 from treadle.common.config import ConfigError, alias, configclass
+from treadle.trainer.config.model import require_client_keys
 
 
 @configclass
@@ -51,6 +52,16 @@ class RolloutConfig:
         return self.vllm_generate_batch_size or self.batch_size
 
 
+def _require_sync_host(endpoint: str, sync_host: str) -> None:
+    """ConfigError when the daemon is off loopback but the weight group would be hosted on
+    loopback: its engines, on another host, could never join."""
+    from treadle.common.rpc.transport import is_loopback, split_tcp  # noqa: PLC0415
+
+    if endpoint.startswith("tcp://") and not is_loopback(split_tcp(endpoint)[0]) and is_loopback(sync_host):
+        raise ConfigError(f"--vllm.endpoint {endpoint} is not on loopback, so its engines cannot join a weight group "
+                          f"hosted on {sync_host}: set --vllm.sync_host to an address of this host they can reach")
+
+
 @configclass
 class VLLMConfig:
     """The vLLM engine pool that generates rollouts."""
@@ -78,6 +89,13 @@ class VLLMConfig:
     """Share of GPU memory an engine may take (of host memory for the CPU build)."""
     bucket_mb: int = 256
     """Weight broadcast bucket size in MB (0: one tensor per broadcast)."""
+    curve_dir: str = ""
+    """CURVE client keys (client.key_secret + server.key, `treadle-keys generate`) for --vllm.endpoint;
+    needed when that daemon is not on loopback."""
+    sync_host: str = "127.0.0.1"
+    """Address of this host that the engines reach to join the weight-broadcast group (rank 0
+    hosts its TCPStore there while they join); a daemon off loopback needs one of this host's
+    own addresses. The group's store and gloo/NCCL traffic are not encrypted: a trusted network."""
 
     def __post_init__(self) -> None:
         if self.num_engines < 1:
@@ -88,5 +106,8 @@ class VLLMConfig:
             raise ConfigError(f"--bucket_mb must be >= 0, got {self.bucket_mb}")
         if self.endpoint is not None and not self.endpoint.startswith(("tcp://", "ipc://")):
             raise ConfigError(f"--endpoint must be tcp://host:port or ipc://path, got {self.endpoint!r}")
+        if self.endpoint is not None:
+            require_client_keys(self.endpoint, self.curve_dir, "--vllm.curve_dir")
+            _require_sync_host(self.endpoint, self.sync_host)
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ConfigError(f"--gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")

@@ -160,7 +160,7 @@ def executor(cfg: PPOConfig, *, sampler: Any, chat: Any, sampling: SamplingParam
             raise ConfigError(f"--reward.remote_url lists {len(cfg.reward.remote_urls)} sources; give one "
                               "(combine several rewards in one function file or reward server)")
         reward = reward_source(cfg.reward.remote_urls[0], timeout_s=cfg.reward.timeout_s,
-                               retry_s=cfg.reward.retry_s)
+                               retry_s=cfg.reward.retry_s, curve_dir=cfg.reward.curve_dir, token=cfg.reward.bearer)
     return SingleTurnExecutor(reward=reward, sampler=sampler, chat=chat, sampling=sampling, config=config)
 
 
@@ -178,7 +178,12 @@ def rollout_side(parts: PPOParts) -> None:
         parts.daemon = OwnedDaemon(daemon_spec(cfg))
         parts.closers.append(parts.daemon.stop)
         endpoint = parts.daemon.endpoint
-    parts.sync_client = SyncRolloutClient(endpoint)
+    curve = None
+    if cfg.vllm.endpoint is not None and cfg.vllm.curve_dir:
+        from treadle.common.rpc import load_client_keys  # noqa: PLC0415
+
+        curve = load_client_keys(cfg.vllm.curve_dir)
+    parts.sync_client = SyncRolloutClient(endpoint, curve=curve)
     parts.closers.append(parts.sync_client.close)
     if parts.daemon is not None:
         seconds = parts.daemon.wait_ready(parts.sync_client)
@@ -189,7 +194,7 @@ def rollout_side(parts: PPOParts) -> None:
     parts.closers.append(lt.stop)
 
     async def make_client() -> RolloutClient:
-        return RolloutClient(endpoint)
+        return RolloutClient(endpoint, curve=curve)
 
     client = lt.run(make_client())
     parts.closers.append(lambda: lt.run(client.close()) if lt.alive else None)
@@ -206,7 +211,8 @@ def sender(parts: PPOParts) -> Any:
     cfg = parts.cfg
     backend = cfg.vllm.sync_backend if torch.cuda.is_available() else "gloo"
     conf = SenderConfig(transport="collective", backend=backend, bucket_bytes=cfg.vllm.bucket_mb << 20,
-                        dtype=DTYPES[cfg.ds.param_dtype], mode="abort" if cfg.train.partial_rollout_enable else "wait")
+                        dtype=DTYPES[cfg.ds.param_dtype], mode="abort" if cfg.train.partial_rollout_enable else "wait",
+                        host=cfg.vllm.sync_host)
     return WeightSender(parts.actor, config=conf, client=parts.sync_client, zero_stage=cfg.ds.zero_stage,
                         is_main=parts.dist.is_main)
 
