@@ -20,6 +20,7 @@ from treadle.trainer.losses.preference import (
 from treadle.trainer.losses.rm import RM_LOSSES, logexp_loss, pair_accuracy, sigmoid_loss
 from treadle.trainer.losses.sft import nll_loss
 from treadle.trainer.ops.logprobs import (
+    chunked_entropy,
     picked_logprobs,
     sequence_sums,
     token_entropy,
@@ -62,6 +63,22 @@ def test_chunked_logprobs_equal_the_fp32_formula_in_value_and_gradient(dtype, ta
     (want * weights).sum().backward()
     assert a.grad.dtype == dtype and torch.equal(a.grad[:, -1], torch.zeros_like(a.grad[:, -1]))
     assert torch.allclose(a.grad.float(), b.grad.float(), atol=1e-2 if dtype == torch.bfloat16 else 1e-6, rtol=0)
+
+
+@pytest.mark.parametrize(("dtype", "tau", "chunk"), [(torch.float32, 1.0, 3), (torch.float32, 0.6, 64),
+                                                     (torch.bfloat16, 1.0, 4)])
+def test_chunked_entropy_equals_the_log_softmax_formula_in_value_and_gradient(dtype, tau, chunk):
+    g = torch.Generator().manual_seed(1)
+    base = (torch.randn(2, 9, 23, generator=g) * 3).to(dtype)
+    weights = torch.randn(2, 8, generator=g)
+    a, b = base.clone().requires_grad_(), base.clone().requires_grad_()
+    got = chunked_entropy(a[:, :-1], tau, chunk)
+    logp = torch.log_softmax(b[:, :-1].float() / tau, dim=-1)
+    want = -(logp.exp() * logp).sum(-1)
+    assert torch.allclose(got, want, atol=1e-5, rtol=0)
+    (got * weights).sum().backward()
+    (want * weights).sum().backward()
+    assert torch.allclose(a.grad.float(), b.grad.float(), atol=1e-2 if dtype == torch.bfloat16 else 1e-5, rtol=0)
 
 
 def test_chunked_logprobs_refuse_a_zero_chunk():

@@ -76,17 +76,52 @@ def token_logprobs(logits: Tensor, input_ids: Tensor, temperature: float = 1.0) 
     return torch.nn.functional.pad(picked_logprobs(logits[:, :-1], input_ids[:, 1:], temperature), (1, 0))
 
 
+class _Entropy(torch.autograd.Function):
+    """logits ``[R, S, V]`` -> ``[R, S]`` fp32: H = -sum_v p_v log p_v, log p = z - lse(z), z = logits / tau.
+
+    Backward: dH/dz_v = -p_v (log p_v + H) = -p_v (z_v - lse + H), times the incoming gradient, / tau."""
+
+    @staticmethod
+    def forward(ctx: Any, logits: Tensor, temperature: float, chunk: int) -> Tensor:
+        rows, length, _ = logits.shape
+        ent = torch.empty(rows, length, dtype=torch.float32, device=logits.device)
+        lse = torch.empty_like(ent)
+        for r, a, b in _chunks(rows, length, chunk):
+            z = logits[r, a:b].float() / temperature
+            lse[r, a:b] = torch.logsumexp(z, dim=-1)
+            logp = z.sub_(lse[r, a:b, None])  # -sum p log p, not lse - sum p z: no cancellation of two large terms
+            ent[r, a:b] = -(torch.exp(logp) * logp).sum(-1)
+        ctx.save_for_backward(logits, lse, ent)
+        ctx.temperature, ctx.chunk = temperature, chunk
+        return ent
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
+        logits, lse, ent = ctx.saved_tensors
+        tau = ctx.temperature
+        rows, length, _ = logits.shape
+        grad_logits = torch.empty_like(logits)
+        for r, a, b in _chunks(rows, length, ctx.chunk):
+            logp = logits[r, a:b].float().div_(tau).sub_(lse[r, a:b, None])
+            dz = torch.exp(logp).mul_(logp.add_(ent[r, a:b, None])).mul_(-grad[r, a:b, None].float() / tau)
+            grad_logits[r, a:b] = dz
+        return grad_logits, None, None
+
+
+def chunked_entropy(logits: Tensor, temperature: float = 1.0, chunk: int = CHUNK_TOKENS) -> Tensor:
+    """Entropy of softmax(logits / tau) at every position: ``[R, S, V]`` -> ``[R, S]`` fp32, in fp32
+    ``chunk`` positions at a time (autograd keeps the logits and two fp32 values a position)."""
+    if chunk < 1:
+        raise ValueError(f"chunked_entropy: chunk must be >= 1, got {chunk}")
+    return _Entropy.apply(logits, float(temperature), chunk)
+
+
 def token_entropy(logits: Tensor, temperature: float = 1.0) -> Tensor:
     """H_t = -sum_v p_v log p_v of the distribution that predicted token t (p = softmax(z_{t-1} / tau)).
 
     logits ``[R, T, V]`` -> ``[R, T]`` fp32, column 0 set to 0.
     """
-    z = logits[:, :-1].float()
-    if temperature != 1.0:
-        z = z / temperature
-    logp = torch.log_softmax(z, dim=-1)
-    ent = -(logp.exp() * logp).sum(-1)
-    return torch.nn.functional.pad(ent, (1, 0))
+    return torch.nn.functional.pad(chunked_entropy(logits[:, :-1], temperature), (1, 0))
 
 
 def sequence_sums(values: Tensor, mask: Tensor, seq_index: Tensor, num_seqs: int) -> Tensor:

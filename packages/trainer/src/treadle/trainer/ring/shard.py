@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from treadle.trainer.data.batching import SeqBatch
-from treadle.trainer.ops.logprobs import picked_logprobs
+from treadle.trainer.ops.logprobs import chunked_entropy, picked_logprobs
 from treadle.trainer.ring.blocks import Plan
 from treadle.trainer.ring.blocks import plan as make_plan
 from treadle.trainer.ring.group import RingGroup
@@ -130,11 +130,7 @@ def next_token_logprobs(logits: Tensor, next_ids: Tensor, temperature: float = 1
 
 def next_token_entropy(logits: Tensor, temperature: float = 1.0) -> Tensor:
     """H = -sum_v p_v log p_v of p = softmax(z_t / tau), the distribution of token t + 1: ``[1, T_local]`` fp32."""
-    z = logits.float()
-    if temperature != 1.0:
-        z = z / temperature
-    logp = torch.log_softmax(z, dim=-1)
-    return -(logp.exp() * logp).sum(-1)
+    return chunked_entropy(logits, temperature)
 
 
 def shift_to_tokens(next_values: Tensor) -> Tensor:
