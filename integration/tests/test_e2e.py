@@ -32,6 +32,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -394,3 +395,45 @@ def test_grpo_against_daemons_off_loopback_with_curve_keys_and_a_token(tiny, ari
             assert [r["step"] for r in rows] == [1, 2], name
             assert all(r["logprob_gap/max"] <= 1e-3 for r in rows), name  # the engine runs the synced weights
         assert rc.health()["version"] >= 2
+
+
+# An agent program as users write them: the OpenAI SDK, configured only by the environment the
+# trainer gives it (OPENAI_BASE_URL, OPENAI_API_KEY); two turns; the share of digits as reward.
+OPENAI_AGENT = '''
+import json, sys
+from openai import OpenAI
+
+episode = json.loads(sys.stdin.readline())
+client = OpenAI()
+messages = [{"role": "user", "content": episode["prompt"]}]
+first = client.chat.completions.create(model="policy", messages=messages, max_tokens=64).choices[0].message.content
+messages += [{"role": "assistant", "content": first}, {"role": "user", "content": "digits only"}]
+second = client.chat.completions.create(model="policy", messages=messages).choices[0].message.content
+text = (first + second).replace(" ", "")
+print(json.dumps({"reward": sum(c.isdigit() for c in text) / max(1, len(text)), "extra_logs": {"chars": len(text)}}))
+'''
+
+
+@pytest.mark.slow
+def test_grpo_with_an_openai_sdk_agent_program(tiny, arith, helpers, tmp_path):
+    pytest.importorskip("openai")
+    agent = tmp_path / "agent.py"
+    agent.write_text(OPENAI_AGENT)
+    trainer("ppo", *ppo_args(tiny, arith.prompts, tmp_path, "--algo.advantage.estimator", "group_norm",
+                             "--train.agent_cmd", f"{sys.executable} {agent}", "--rollout.n_samples_per_prompt", "2",
+                             "--train.batch_size", "8", "--data.max_samples", "8",
+                             "--algo.kl.init_coef", "0", new_tokens=6, prompt_len=64), helpers=helpers)
+    rows = metrics(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2]
+    steps = trained(tmp_path, tmp_path)
+    for step, ts in steps.items():
+        assert len(ts) == 8
+        for t in ts:
+            mask = np.asarray(t.loss_mask)
+            spans = t.info["spans"]
+            # two sampled turns (each at most the run's 6 new tokens, whatever the program asked),
+            # the second user message between them out of the loss
+            assert t.info["turns"] == 2 and all(1 <= e - s <= 6 for s, e in spans)
+            assert mask[spans[0][0]:spans[0][1]].all() and not mask[spans[0][1]:spans[1][0]].any()
+            assert 0.0 <= t.reward <= 1.0 and "chars" in t.extra_logs
+        assert rows[step - 1]["reward/mean"] == pytest.approx(sum(t.reward for t in ts) / len(ts), abs=1e-6)

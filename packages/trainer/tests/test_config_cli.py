@@ -513,3 +513,14 @@ def test_reward_token_file_is_read_and_checked(tmp_path):
     assert cfg.reward.bearer == "s3cret"
     with pytest.raises(ConfigError, match="--reward.token_file .*missing is not a file"):
         parse_ppo([*ppo_argv(), "--reward.token_file", str(tmp_path / "missing")])
+
+
+def test_agent_program_and_agent_file_are_one_or_the_other():
+    base = ["--actor.model_name_or_path", "m", "--data.prompt_dataset", "p.jsonl", "--algo.advantage.estimator",
+            "group_norm", "--rollout.n_samples_per_prompt", "4"]
+    cfg = parse_ppo([*base, "--train.agent_cmd", "python agent.py --fast"])
+    assert cfg.train.agent_cmd == "python agent.py --fast"
+    with pytest.raises(ConfigError, match="--train.agent_func_path and --train.agent_cmd are both set"):
+        parse_ppo([*base, "--train.agent_cmd", "python a.py", "--train.agent_func_path", "agent.py"])
+    with pytest.raises(ConfigError, match="--train.agent_cmd computes rewards itself"):
+        parse_ppo([*base, "--train.agent_cmd", "python a.py", "--reward.remote_url", "r.py"])

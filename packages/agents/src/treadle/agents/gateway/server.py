@@ -15,6 +15,8 @@ Routes (aiohttp)::
     POST /v1/sessions/{id}/finish     body {"reward"?, "score"?, "extra_logs"?, "group_id"?, "info"?}:
                                       the same, with the reward set; the session is closed
     DELETE /v1/sessions/{id}          drop a session
+    POST /s/{id}/v1/chat/completions  the same chat route bound to session {id} by its path, so that an
+    GET  /s/{id}/v1/models            unmodified OpenAI client given base_url .../s/{id}/v1 stays in it
 
 Each request names its session with ``session_id`` in the body (OpenAI clients: ``extra_body``)
 or the ``X-Session-Id`` header; without one, the request starts a fresh session whose id the
@@ -27,6 +29,11 @@ serve (retry), 500 otherwise.
 
 Templates and the tokenizer run on one thread beside the event loop, never on it: a long text
 takes the tokenizer seconds, and the loop keeps serving other requests (and /health) meanwhile.
+
+A gateway owned by a trainer (``agents.program``) opens its sessions itself (``open_session``)
+with the run's sampling parameters: requests in them sample with those (temperature, top-p,
+seed, stop tokens) whatever the agent asked for, and ``max_tokens`` is capped by them. It may
+share the trainer's rollout client and sampler instead of connecting its own.
 """
 
 from __future__ import annotations
@@ -62,6 +69,7 @@ from treadle.agents.sampler import RolloutSampler, with_max_tokens
 from treadle.agents.tools import parse_tool_calls
 from treadle.common.errors import TreadleError
 from treadle.common.log import get_logger
+from treadle.common.records import SamplingParams
 
 log = get_logger(__name__)
 OPEN_PATHS = frozenset({"/health"})
@@ -89,7 +97,8 @@ def text_chars(value: Any) -> int:
 class Gateway:
     """One gateway: an aiohttp app, the rollout client, and the sessions."""
 
-    def __init__(self, cfg: GatewayConfig, *, chat: ChatFormat | None = None) -> None:
+    def __init__(self, cfg: GatewayConfig, *, chat: ChatFormat | None = None, rollout: Any = None,
+                 sampler: Any = None) -> None:
         self.cfg = cfg
         self.chat = chat or ChatFormat.load(cfg.model, cfg.chat_template)
         self.token = cfg.bearer_token()
@@ -97,8 +106,9 @@ class Gateway:
         self.sessions: OrderedDict[str, Session] = OrderedDict()
         self.counters = {"requests": 0, "sessions": 0, "drift": 0, "failed": 0}
         self.url = ""
-        self._rollout: Any = None
-        self._sampler: RolloutSampler | None = None
+        self._rollout: Any = rollout
+        self._owns_rollout = rollout is None  # a client handed in is its owner's to close
+        self._sampler: Any = sampler
         self._runner: web.AppRunner | None = None
         self._janitor: asyncio.Task[None] | None = None
         # One thread: a transformers tokenizer is not safe to share between threads (its
@@ -112,9 +122,11 @@ class Gateway:
         from treadle.common.rpc import load_client_keys  # noqa: PLC0415
         from treadle.rollout.client import RolloutClient  # noqa: PLC0415
 
-        curve = load_client_keys(self.cfg.rollout_curve_dir) if self.cfg.rollout_curve_dir else None
-        self._rollout = RolloutClient(self.cfg.rollout, curve=curve, generate_timeout_s=self.cfg.request_timeout_s)
-        self._sampler = RolloutSampler(self._rollout)
+        if self._rollout is None:
+            curve = load_client_keys(self.cfg.rollout_curve_dir) if self.cfg.rollout_curve_dir else None
+            self._rollout = RolloutClient(self.cfg.rollout, curve=curve, generate_timeout_s=self.cfg.request_timeout_s)
+        if self._sampler is None:
+            self._sampler = RolloutSampler(self._rollout)
         self._runner = web.AppRunner(self.app(), access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.cfg.host, self.cfg.port)
@@ -132,7 +144,7 @@ class Gateway:
                 await self._runner.cleanup()
         finally:
             self._tokenizer_thread.shutdown(wait=False, cancel_futures=True)
-            if self._rollout is not None:
+            if self._rollout is not None and self._owns_rollout:
                 await self._rollout.close()
 
     async def _sweep(self) -> None:
@@ -151,7 +163,8 @@ class Gateway:
             web.post("/v1/chat/completions", self.chat_completions), web.post("/tokenize", self.tokenize),
             web.post("/detokenize", self.detokenize), web.get("/v1/sessions", self.list_sessions),
             web.get("/v1/sessions/{sid}", self.get_session), web.post("/v1/sessions/{sid}/finish", self.finish),
-            web.delete("/v1/sessions/{sid}", self.delete_session)])
+            web.delete("/v1/sessions/{sid}", self.delete_session),
+            web.post("/s/{sid}/v1/chat/completions", self.chat_completions), web.get("/s/{sid}/v1/models", self.models)])
         return app
 
     # ------------------------------------------------------------------ middlewares
@@ -237,6 +250,14 @@ class Gateway:
             {"id": self.model_name, "object": "model", "created": 0, "owned_by": "treadle",
              "max_model_len": self.cfg.max_length}]})
 
+    def open_session(self, sid: str, sampling: SamplingParams) -> Session:
+        """A new session whose requests sample with ``sampling`` (``max_tokens``: a cap)."""
+        if sid in self.sessions:
+            raise RequestError(f"session {sid} exists already")
+        s = self._session(sid)
+        s.forced = sampling
+        return s
+
     def _session(self, sid: str) -> Session:
         s = self.sessions.get(sid)
         if s is None:
@@ -251,7 +272,7 @@ class Gateway:
         req = parse_chat(await self._body(request), request.headers.get("X-Session-Id"))
         self._check_size(text_chars([req.messages, req.tools]))
         self.counters["requests"] += 1
-        sid = req.session_id or uuid.uuid4().hex
+        sid = request.match_info.get("sid") or req.session_id or uuid.uuid4().hex
         session = self._session(sid)
         async with session.lock:  # held across the thread hop: nothing else touches this session meanwhile
             prep = await self._off_loop(session.prepare, req.messages, req.tools, self.chat)
@@ -259,9 +280,13 @@ class Gateway:
             if room <= 0:
                 raise RequestError(f"the session has {prep.prompt.shape[0]} tokens; max_length is "
                                    f"{self.cfg.max_length}", code="context_length_exceeded")
-            max_tokens = min(req.max_tokens or self.cfg.default_max_tokens, room)
+            if session.forced is None:
+                sampling, max_tokens = req.sampling, min(req.max_tokens or self.cfg.default_max_tokens, room)
+            else:  # the owner's sampling; its max_tokens caps what the agent asks for
+                cap = session.forced.max_tokens
+                sampling, max_tokens = session.forced, min(req.max_tokens or cap, cap, room)
             assert self._sampler is not None
-            turn = await self._sampler.sample(prep.prompt, with_max_tokens(req.sampling, max_tokens),
+            turn = await self._sampler.sample(prep.prompt, with_max_tokens(sampling, max_tokens),
                                               key=f"{sid}:{session.turns}")
             text = self.chat.decode(turn.token_ids)
             parse = req.parse_tools and self.cfg.tool_parser == "hermes"

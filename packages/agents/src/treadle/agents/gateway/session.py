@@ -35,7 +35,7 @@ from treadle.agents.api import Message
 from treadle.agents.builder import EpisodeBuilder
 from treadle.agents.chat import ChatFormat
 from treadle.agents.sampler import Turn
-from treadle.common.records import Trajectory
+from treadle.common.records import SamplingParams, Trajectory
 
 
 def _args(a: Any) -> str:
@@ -89,6 +89,7 @@ class Session:
         self.history: list[tuple[Any, ...]] = []
         self.last: Turn | None = None
         self.turns = 0
+        self.forced: SamplingParams | None = None  # the owner's sampling for every request (``open_session``)
 
     def prepare(self, messages: list[Message], tools: list[dict[str, Any]] | None, chat: ChatFormat) -> Prepared:
         canon = [canonical(m) for m in messages]

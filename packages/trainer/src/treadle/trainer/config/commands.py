@@ -232,13 +232,17 @@ class PPOConfig:
 
 
 def _check_reward_source(cfg: PPOConfig) -> None:
-    reward, agent = cfg.reward, cfg.train.agent_func_path
+    reward, agent = cfg.reward, cfg.train.agent_func_path or cfg.train.agent_cmd
+    if cfg.train.agent_func_path and cfg.train.agent_cmd:
+        raise ConfigError("--train.agent_func_path and --train.agent_cmd are both set: episodes come from one agent")
+    flag = "--train.agent_func_path" if cfg.train.agent_func_path else "--train.agent_cmd"
     if reward.model_name_or_path and reward.remote_url:
         raise ConfigError("--reward.model_name_or_path and --reward.remote_url are both set: rewards come from one of them")
     if agent and (reward.model_name_or_path or reward.remote_url):
-        raise ConfigError("--train.agent_func_path computes rewards itself: drop --reward.model_name_or_path/--reward.remote_url")
+        raise ConfigError(f"{flag} computes rewards itself: drop --reward.model_name_or_path/--reward.remote_url")
     if not (reward.model_name_or_path or reward.remote_url or agent):
-        raise ConfigError("no reward: set --reward.model_name_or_path, --reward.remote_url or --train.agent_func_path")
+        raise ConfigError("no reward: set --reward.model_name_or_path, --reward.remote_url, --train.agent_func_path "
+                          "or --train.agent_cmd")
     rule_reward = bool(reward.remote_url or agent)
     if cfg.algo.dynamic_filtering_enable and not rule_reward:
         raise ConfigError("--algo.dynamic_filtering_enable filters on scores: needs --reward.remote_url or --train.agent_func_path")

@@ -61,6 +61,10 @@ class RLTrainConfig(TrainConfig):
     """Async only: update weights mid-generation instead of waiting (samples may mix policy versions)."""
     agent_func_path: str | None = None
     """Python file of a (multi-turn) agent executor; rewards then come from the agent."""
+    agent_cmd: str | None = None
+    """Command of an agent program, run once per episode: it reads the episode as a JSON line on
+    stdin, talks to the model through OpenAI's chat API at $OPENAI_BASE_URL (treadle's gateway,
+    recording the exact tokens), and prints {"reward": ...} last; rewards then come from it."""
     enable_ema: bool = False
     """Keep an exponential moving average of the actor weights."""
     ema_beta: float = 0.992

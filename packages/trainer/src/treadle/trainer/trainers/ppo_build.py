@@ -7,6 +7,7 @@ None on the others. Each helper builds one thing from the typed config.
 
 from __future__ import annotations
 
+import shlex
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -143,11 +144,17 @@ def sampling_of(cfg: PPOConfig, *, temperature: float) -> SamplingParams:
                           logprobs=True)
 
 
-def executor(cfg: PPOConfig, *, sampler: Any, chat: Any, sampling: SamplingParams) -> Any:
-    """The agent executor of ``--train.agent_func_path`` (multi-turn), else single-turn with a reward source."""
+def executor(cfg: PPOConfig, *, sampler: Any, chat: Any, sampling: SamplingParams, gateway: Any = None) -> Any:
+    """The agent executor of ``--train.agent_func_path`` (multi-turn) or ``--train.agent_cmd``
+    (programs through ``gateway``), else single-turn with a reward source."""
     from treadle.agents.executor import ExecutorConfig, SingleTurnExecutor  # noqa: PLC0415
 
     config = ExecutorConfig(max_length=cfg.max_len, episode_timeout_s=600.0)
+    if cfg.train.agent_cmd:
+        from treadle.agents.program import ProgramExecutor  # noqa: PLC0415
+
+        return ProgramExecutor(command=shlex.split(cfg.train.agent_cmd), gateway=gateway, sampler=sampler, chat=chat,
+                               sampling=sampling, config=config)
     if cfg.train.agent_func_path:
         from treadle.agents.openrlhf.loader import AgentFileExecutor  # noqa: PLC0415
 
@@ -200,9 +207,29 @@ def rollout_side(parts: PPOParts) -> None:
     parts.closers.append(lambda: lt.run(client.close()) if lt.alive else None)
     chat = ChatFormat(parts.tokenizer, cfg.data.tokenizer_chat_template)
     sampler = SeededSampler(RolloutSampler(client), cfg.train.seed)
-    train_ex = executor(cfg, sampler=sampler, chat=chat, sampling=sampling_of(cfg, temperature=cfg.rollout.temperature))
-    eval_ex = executor(cfg, sampler=sampler, chat=chat, sampling=sampling_of(cfg, temperature=cfg.eval.temperature))
+    gateway = agent_gateway(parts, lt, chat=chat, client=client, sampler=sampler, endpoint=endpoint)
+    train_ex = executor(cfg, sampler=sampler, chat=chat, sampling=sampling_of(cfg, temperature=cfg.rollout.temperature),
+                        gateway=gateway)
+    eval_ex = executor(cfg, sampler=sampler, chat=chat, sampling=sampling_of(cfg, temperature=cfg.eval.temperature),
+                       gateway=gateway)
     parts.generator = Generator(executor=train_ex, eval_executor=eval_ex, n=cfg.rollout.n_samples_per_prompt, lt=lt)
+
+
+def agent_gateway(parts: PPOParts, lt: Any, *, chat: Any, client: Any, sampler: Any, endpoint: str) -> Any:
+    """With ``--train.agent_cmd``: a gateway on loopback sharing the trainer's rollout client and
+    seeded sampler, for the agent programs; None otherwise."""
+    cfg = parts.cfg
+    if not cfg.train.agent_cmd:
+        return None
+    from treadle.agents.gateway.config import GatewayConfig  # noqa: PLC0415
+    from treadle.agents.gateway.server import Gateway  # noqa: PLC0415
+
+    gw = Gateway(GatewayConfig(model=cfg.actor.model_name_or_path, port=0, rollout=endpoint, max_length=cfg.max_len),
+                 chat=chat, rollout=client, sampler=sampler)
+    url = lt.run(gw.start())
+    parts.closers.append(lambda: lt.run(gw.close()) if lt.alive else None)
+    log.info("agent gateway for --train.agent_cmd", extra={"fields": {"url": url}})
+    return gw
 
 
 def sender(parts: PPOParts) -> Any:
