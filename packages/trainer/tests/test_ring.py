@@ -57,6 +57,35 @@ def test_causal_work_is_balanced_across_the_ring():
     assert len(set(work)) == 1  # each rank's queries see the same number of keys in total
 
 
+def _flash_mask(blk, a, b, lo, hi):
+    """The mask cuda_flash's varlen kernels apply to a tile: same sequence, and on the diagonal
+    step bottom-right causal within each sequence's (queries, keys) segment pair."""
+    from treadle.trainer.ring.blocks import flash_segments
+
+    cu_q, cu_k, _, _ = flash_segments(blk.seq_q[a:b], blk.seq_k[lo:hi])
+    mask = torch.zeros(b - a, hi - lo, dtype=torch.bool)
+    for s in range(cu_q.shape[0] - 1):
+        q0, q1, k0, k1 = (int(x) for x in (cu_q[s], cu_q[s + 1], cu_k[s], cu_k[s + 1]))
+        seg = torch.ones(q1 - q0, k1 - k0, dtype=torch.bool)
+        mask[q0:q1, k0:k1] = seg.tril(diagonal=(k1 - k0) - (q1 - q0)) if blk.diagonal else seg
+    return mask
+
+
+@pytest.mark.parametrize("lengths", [[16], [7], [3, 9, 1, 4], [40, 2], [5, 64, 3]])
+@pytest.mark.parametrize("size", [2, 3, 4])
+def test_cuda_flash_segments_apply_exactly_the_ring_masks(lengths, size):
+    """Every tile of every ring step, cut as cuda_flash cuts them (one tile a step) and as the
+    small-budget CPU plans do: the varlen kernels' segment masks equal the ring's masks."""
+    from treadle.trainer.ring.blocks import plan
+
+    for r in range(size):
+        lay = zigzag_layout(torch.tensor(lengths), size, r)
+        for budget in (1 << 40, 37):
+            for blk in plan(lay, torch.device("cpu"), budget=budget, kernel="math").blocks:
+                for a, b, lo, hi in blk.tiles:
+                    assert torch.equal(_flash_mask(blk, a, b, lo, hi), blk.mask(a, b, lo, hi)), (r, budget)
+
+
 def test_lengths_come_from_restarting_positions():
     assert lengths_from_positions(torch.tensor([[0, 1, 2, 0, 0, 1]])).tolist() == [3, 1, 2]
     with pytest.raises(ValueError, match="position 0"):

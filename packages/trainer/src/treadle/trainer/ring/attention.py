@@ -11,7 +11,8 @@ to attention); a call without one fails loudly rather than attend across sequenc
 Kernels (``RingGroup.backend``): ring-flash-attn's zigzag varlen function on CUDA where it is
 installed, for bf16 / fp16 tensors; otherwise (and for fp32, which flash-attention lacks) the
 pure-PyTorch ring (``ring.torch_ring``, any dtype and device: PyTorch's fused CPU kernels on
-CPU, explicit fp32 math elsewhere). Both see the same zigzag layout (``ring.layout``).
+CPU, PyTorch's own FlashAttention-2 varlen kernels for bf16 / fp16 on CUDA, explicit fp32 math
+elsewhere; ``ring.blocks``). Both see the same zigzag layout (``ring.layout``).
 ``--ds.ring_attn_head_stride`` key/value heads go around the ring per pass, with their query
 heads; a stride equal to the key/value heads is one pass per layer.
 

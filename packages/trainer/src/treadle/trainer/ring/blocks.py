@@ -21,10 +21,19 @@ Tile kernels (``TILE_KERNELS``): q ``[Hk, G, n, d]``, k / v ``[Hk, m, d]``, mask
 - ``cpu_flash``: the same through PyTorch's fused CPU flash-attention kernels (fp32), which take
   an additive mask and return / accept the log-sum-exp (2-3x faster on CPU than ``math``).
 
-On CUDA without ring-flash-attn the ring runs ``math`` (correct, slow: no tensor cores in fp32).
-PyTorch's memory-efficient CUDA kernels with an additive mask were tried as a tile kernel on an
-H200 (torch 2.11): as fast as whole-sequence SDPA in fp32, but their backward faulted (illegal
-memory access) in bf16 inside the ring, so they are not used.
+- ``cuda_flash``: bf16 / fp16 on CUDA, PyTorch's own FlashAttention-2 varlen kernels
+  (``aten._flash_attention_forward`` / ``_backward``, which return / take the log-sum-exp) with no
+  mask: inside a tile a sequence's visible keys are all of its keys in the tile (off the
+  diagonal step) or, on the diagonal step, its keys up to each query with the queries the last
+  of those keys, which is the kernels' bottom-right causal mask. One varlen segment per
+  sequence (``flash_segments``); a tile whose query and key sequences do not pair up falls back
+  to ``math``, and so does fp32 (flash attention has no fp32).
+
+On CUDA without ring-flash-attn the ring runs ``cuda_flash`` for half-precision tensors and
+``math`` for fp32 (correct, slow: no tensor cores in fp32). PyTorch's memory-efficient CUDA
+kernels with an additive mask were tried as a tile kernel on an H200 (torch 2.11): as fast as
+whole-sequence SDPA in fp32, but their backward faulted (illegal memory access) in bf16 inside
+the ring, so they are not used.
 
 Not here: passing blocks around the ring (``torch_ring``).
 """
@@ -39,7 +48,8 @@ from torch import Tensor
 
 from treadle.trainer.ring.layout import RingLayout
 
-TILE_BUDGET = {("math", "cuda"): 1 << 22, ("math", "cpu"): 1 << 20, ("cpu_flash", "cpu"): 1 << 20}
+TILE_BUDGET = {("math", "cuda"): 1 << 22, ("math", "cpu"): 1 << 20, ("cpu_flash", "cpu"): 1 << 20,
+               ("cuda_flash", "cuda"): 1 << 40}
 """(query, key) pairs per tile, by (kernel, device type); 1 << 20 for others. Bounds a step's
 working memory (``math``: about 5 fp32 tensors of that size per head; ``cpu_flash``: the
 tile's mask) and sets how many kernel calls a step takes (GPUs want fewer, larger ones)."""
@@ -63,6 +73,8 @@ class Block:
     """[m] position of each key in its sequence."""
     tiles: tuple[tuple[int, int, int, int], ...]
     """(row start, row end, key start, key end) of each query tile and the keys it can see."""
+    diagonal: bool = False
+    """Step 0: our own block (causal within each sequence); else every key of a tile's sequence is visible."""
 
     def mask(self, a: int, b: int, lo: int, hi: int) -> Tensor:
         """[b - a, hi - lo] bool: key visible to query (same sequence, not in its future)."""
@@ -95,8 +107,9 @@ def _tiles(key_q: Tensor, key_k: Tensor, seq_start_q: Tensor, budget: int) -> tu
 
 def plan(layout: RingLayout, device: torch.device, *, budget: int | None = None, kernel: str | None = None) -> Plan:
     """The R steps of ``layout`` (index tensors on ``device``). ``kernel``: default ``cpu_flash``
-    on CPU, else ``math``; ``budget``: pairs per tile (default ``TILE_BUDGET``)."""
-    kernel = kernel or ("cpu_flash" if device.type == "cpu" else "math")
+    on CPU, ``cuda_flash`` on CUDA where PyTorch has its flash kernels, else ``math``; ``budget``:
+    pairs per tile (default ``TILE_BUDGET``)."""
+    kernel = kernel or default_kernel(device)
     budget = budget or TILE_BUDGET.get((kernel, device.type), 1 << 20)
     r, size = layout.rank, layout.size
     span = int(layout.positions.max()) + 1 if layout.local_length else 1
@@ -108,8 +121,17 @@ def plan(layout: RingLayout, device: torch.device, *, budget: int | None = None,
         seq_q, seq_k, pos_q, pos_k = layout.seq[rows], layout.seq[cols], layout.positions[r][rows], layout.positions[j][cols]
         tiles = _tiles(seq_q * span + pos_q, seq_k * span + pos_k, seq_q * span, budget)
         blocks.append(Block(rows=rows.to(device), cols=cols.to(device), seq_q=seq_q.to(device), pos_q=pos_q.to(device),
-                            seq_k=seq_k.to(device), pos_k=pos_k.to(device), tiles=tiles))
+                            seq_k=seq_k.to(device), pos_k=pos_k.to(device), tiles=tiles, diagonal=step == 0))
     return Plan(blocks=tuple(blocks), kernel=kernel)
+
+
+def default_kernel(device: torch.device) -> str:
+    """``cpu_flash`` on CPU; ``cuda_flash`` on CUDA where PyTorch has its flash kernels; else ``math``."""
+    if device.type == "cpu":
+        return "cpu_flash"
+    if device.type == "cuda" and hasattr(torch.ops.aten, "_flash_attention_forward"):
+        return "cuda_flash"
+    return "math"
 
 
 # -- tile kernels ------------------------------------------------------------------------------
@@ -175,6 +197,59 @@ def _cpu_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse:
     return dq.reshape(q.shape), _per_key_head(dk, heads_kv), _per_key_head(dv, heads_kv)
 
 
+Segments = tuple[Tensor, Tensor, int, int]
+"""(cu_seqlens_q, cu_seqlens_k int32, max_q, max_k) of a tile: one segment per sequence."""
+
+
+def flash_segments(seq_q: Tensor, seq_k: Tensor) -> Segments | None:
+    """One varlen segment per sequence of a tile's queries and keys (each sorted by sequence);
+    None when they do not hold the same sequences in the same order (such a tile needs a mask)."""
+    sq, cq = torch.unique_consecutive(seq_q, return_counts=True)
+    sk, ck = torch.unique_consecutive(seq_k, return_counts=True)
+    if sq.shape != sk.shape or not bool(torch.equal(sq, sk)):
+        return None
+
+    def cu(counts: Tensor) -> Tensor:
+        return torch.nn.functional.pad(counts.cumsum(0), (1, 0)).to(torch.int32)
+
+    return cu(cq), cu(ck), int(cq.max()), int(ck.max())
+
+
+def _tokens_first(t: Tensor) -> Tensor:
+    """[Hk, G, n, d] or [Hk, n, d] -> [n, heads, d], contiguous (flash attention's varlen layout)."""
+    return t.reshape(-1, *t.shape[-2:]).transpose(0, 1).contiguous()
+
+
+_NO_RNG: dict[torch.device, tuple[Tensor, Tensor]] = {}
+
+
+def _no_rng(device: torch.device) -> tuple[Tensor, Tensor]:
+    """The (rng_state, unused) pair a dropout-free flash forward returns, which its backward takes back."""
+    if device not in _NO_RNG:
+        x = torch.zeros(1, 1, 8, dtype=torch.bfloat16, device=device)
+        cu = torch.tensor([0, 1], dtype=torch.int32, device=device)
+        _NO_RNG[device] = tuple(torch.ops.aten._flash_attention_forward(x, x, x, cu, cu, 1, 1, 0.0, False, False)[2:4])
+    return _NO_RNG[device]
+
+
+def _cuda_forward(q: Tensor, k: Tensor, v: Tensor, seg: Segments, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+    cu_q, cu_k, max_q, max_k = seg
+    o, lse = torch.ops.aten._flash_attention_forward(_tokens_first(q), _tokens_first(k), _tokens_first(v), cu_q, cu_k,
+                                                     max_q, max_k, 0.0, causal, False, scale=scale)[:2]
+    return o.transpose(0, 1).reshape(q.shape).float(), lse.reshape(q.shape[:-1]).float()
+
+
+def _cuda_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, seg: Segments,
+                   causal: bool, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    cu_q, cu_k, max_q, max_k = seg
+    half = q.dtype
+    dq, dk, dv = torch.ops.aten._flash_attention_backward(
+        _tokens_first(do.to(half)), _tokens_first(q), _tokens_first(k), _tokens_first(v), _tokens_first(out.to(half)),
+        lse.reshape(-1, lse.shape[-1]).contiguous(), cu_q, cu_k, max_q, max_k, 0.0, causal, *_no_rng(q.device),
+        scale=scale)
+    return (dq.transpose(0, 1).reshape(q.shape).float(), dk.transpose(0, 1).float(), dv.transpose(0, 1).float())
+
+
 Forward = Callable[[Tensor, Tensor, Tensor, Tensor, float], tuple[Tensor, Tensor]]
 Backward = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, float], tuple[Tensor, Tensor, Tensor]]
 TILE_KERNELS: dict[str, tuple[Forward, Backward]] = {
@@ -196,24 +271,40 @@ def _merge(out: Tensor, lse: Tensor, rows: Tensor, o_new: Tensor, lse_new: Tenso
     lse[..., rows] = total
 
 
+def _flash_tile(q: Tensor, kernel: str, blk: Block, a: int, b: int, lo: int, hi: int) -> Segments | None:
+    """The tile's segments when it runs on ``cuda_flash`` (half precision, sequences pairing up), else None."""
+    if kernel != "cuda_flash" or q.dtype not in (torch.float16, torch.bfloat16):
+        return None
+    return flash_segments(blk.seq_q[a:b], blk.seq_k[lo:hi])
+
+
 def forward_step(q: Tensor, kv: Tensor, blk: Block, kernel: str, scale: float, out: Tensor, lse: Tensor) -> None:
     """Attention of q[rows] over kv[cols] merged into (out, lse). q [Hk, G, T, d] and kv [2, Hk, T, d]
     in the model's dtype; out [Hk, G, T, d] and lse [Hk, G, T] fp32."""
-    fwd = TILE_KERNELS[kernel][0]
     for a, b, lo, hi in blk.tiles:
         rows, cols = blk.rows[a:b], blk.cols[lo:hi]
-        o, tile_lse = fwd(q[:, :, rows], kv[0][:, cols], kv[1][:, cols], blk.mask(a, b, lo, hi), scale)
+        seg = _flash_tile(q, kernel, blk, a, b, lo, hi)
+        if seg is not None:
+            o, tile_lse = _cuda_forward(q[:, :, rows], kv[0][:, cols], kv[1][:, cols], seg, blk.diagonal, scale)
+        else:
+            fwd = TILE_KERNELS["math" if kernel == "cuda_flash" else kernel][0]
+            o, tile_lse = fwd(q[:, :, rows], kv[0][:, cols], kv[1][:, cols], blk.mask(a, b, lo, hi), scale)
         _merge(out, lse, rows, o, tile_lse)
 
 
 def backward_step(do: Tensor, q: Tensor, out: Tensor, lse: Tensor, kv: Tensor, blk: Block, kernel: str, scale: float,
                   dq: Tensor, dkv: Tensor) -> None:
     """Gradients of one step, added into dq [Hk, G, T, d] and dkv [2, Hk, T, d] (fp32)."""
-    bwd = TILE_KERNELS[kernel][1]
     for a, b, lo, hi in blk.tiles:
         rows, cols = blk.rows[a:b], blk.cols[lo:hi]
-        gq, gk, gv = bwd(do[:, :, rows], q[:, :, rows], kv[0][:, cols], kv[1][:, cols],
-                         out[:, :, rows], lse[..., rows], blk.mask(a, b, lo, hi), scale)
+        seg = _flash_tile(q, kernel, blk, a, b, lo, hi)
+        if seg is not None:
+            gq, gk, gv = _cuda_backward(do[:, :, rows], q[:, :, rows], kv[0][:, cols], kv[1][:, cols],
+                                        out[:, :, rows], lse[..., rows], seg, blk.diagonal, scale)
+        else:
+            bwd = TILE_KERNELS["math" if kernel == "cuda_flash" else kernel][1]
+            gq, gk, gv = bwd(do[:, :, rows], q[:, :, rows], kv[0][:, cols], kv[1][:, cols],
+                             out[:, :, rows], lse[..., rows], blk.mask(a, b, lo, hi), scale)
         dq.index_add_(2, rows, gq)
         dkv[0].index_add_(1, cols, gk)
         dkv[1].index_add_(1, cols, gv)
