@@ -61,6 +61,9 @@ class Args:
     engine_cpus: tuple[int, ...] = (1,)
     """Cores of the daemon's engine (``--cpus``; one thread each); empty: the daemon's default
     (all cores, one OpenMP thread per core: stalls whenever a neighbour takes a core)."""
+    compare: Literal["buckets", "gather"] = "buckets"
+    """What the two variants differ in: bucketed vs one tensor per broadcast, or (both bucketed)
+    the ZeRO-3 gather: one flat all-gather a bucket vs DeepSpeed's GatheredParameters."""
     json: str = ""
     """Write the results here as JSON too."""
 
@@ -68,7 +71,7 @@ class Args:
 # ------------------------------------------------------------------ trainer side (under torchrun)
 
 
-def worker(endpoint: str, model: str, out: str, bucket_mb: float, repeats: int) -> None:
+def worker(endpoint: str, model: str, out: str, bucket_mb: float, repeats: int, compare: str) -> None:
     import numpy as np
     import torch
 
@@ -93,13 +96,15 @@ def worker(endpoint: str, model: str, out: str, bucket_mb: float, repeats: int) 
     sender = WeightSender(engine, config=SenderConfig(bucket_bytes=int(bucket_mb * (1 << 20))), client=client,
                           zero_stage=3, is_main=info.is_main)
     try:
-        variants = {"bucketed": sender.config.bucket_bytes, "per_tensor": 0}
+        bucketed = sender.config.bucket_bytes
+        variants = ({"bucketed": {"bucket_bytes": bucketed}, "per_tensor": {"bucket_bytes": 0}} if compare == "buckets"
+                    else {"coalesced": {"gather": "coalesced"}, "per_parameter": {"gather": "per_parameter"}})
         warm = sender.sync(1)
         runs: dict[str, list[dict]] = {k: [] for k in variants}
         version = 1
         for i in range(repeats):
             for name in (list(variants) if i % 2 == 0 else list(variants)[::-1]):
-                sender.config = dataclasses.replace(sender.config, bucket_bytes=variants[name])
+                sender.config = dataclasses.replace(sender.config, **variants[name])
                 version += 1
                 r = sender.sync(version)
                 runs[name].append({"seconds": r.seconds, "gather": r.gather_seconds, "send": r.send_seconds,
@@ -174,16 +179,17 @@ def summarise(args: Args, res: dict, command: str) -> dict:
           f"daemon: 1 {args.backend} engine; {args.repeats} interleaved syncs per variant")
     for name, runs in res["runs"].items():
         m = med[name]
-        print(f"{name:>10} ({runs[0]['buckets']:3d} broadcasts): median {m['seconds'] * 1e3:7.1f} ms "
+        print(f"{name:>13} ({runs[0]['buckets']:3d} broadcasts): median {m['seconds'] * 1e3:7.1f} ms "
               f"({mb / m['seconds']:6.1f} MB/s)  gather {m['gather'] * 1e3:6.1f} ms  broadcast "
               f"{m['send'] * 1e3:6.1f} ms  runs " + " ".join(f"{r['seconds'] * 1e3:.0f}" for r in runs))
-    ratio = med["per_tensor"]["seconds"] / med["bucketed"]["seconds"]
+    new, base = list(res["runs"])  # the variant under test, its baseline
+    ratio = med[base]["seconds"] / med[new]["seconds"]
     # per round: the two variants ran back to back, so load changes between rounds cancel out
     paired = statistics.median(p["seconds"] / b["seconds"]
-                               for p, b in zip(res["runs"]["per_tensor"], res["runs"]["bucketed"], strict=True))
+                               for p, b in zip(res["runs"][base], res["runs"][new], strict=True))
     print(f"{'inline':>10}: {res['inline_seconds'] * 1e3:.1f} ms (one run); warm-up sync (join + first load) "
           f"{res['warmup_seconds'] * 1e3:.0f} ms")
-    print(f"ratio per_tensor / bucketed = {ratio:.2f} (medians), {paired:.2f} (paired, median of rounds)")
+    print(f"ratio {base} / {new} = {ratio:.2f} (medians), {paired:.2f} (paired, median of rounds)")
     print(f"daemon vs trainer prompt logprobs after the last sync: max |gap| = {res['gap']:.2e} "
           f"(version {res['version']})")
     return {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "machine": f"{platform.node()} ({os.cpu_count()} cores)",
@@ -193,8 +199,8 @@ def summarise(args: Args, res: dict, command: str) -> dict:
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "worker":  # the torchrun side
-        _, _, endpoint, model, out, bucket_mb, repeats = sys.argv
-        worker(endpoint, model, out, float(bucket_mb), int(repeats))
+        _, _, endpoint, model, out, bucket_mb, repeats, compare = sys.argv
+        worker(endpoint, model, out, float(bucket_mb), int(repeats), compare)
         return
     import tyro
 
@@ -210,7 +216,7 @@ def main() -> None:
             out = Path(tmp) / "result.json"
             subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                             f"--nproc_per_node={args.ranks}", __file__, "worker", endpoint, str(trained), str(out),
-                            str(args.bucket_mb), str(args.repeats)], check=True)
+                            str(args.bucket_mb), str(args.repeats), args.compare], check=True)
             result = summarise(args, json.loads(out.read_text()), command)
         finally:
             stop(proc)

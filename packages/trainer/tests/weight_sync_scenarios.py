@@ -133,7 +133,25 @@ def zero3(a: argparse.Namespace, client, main: bool) -> dict:  # noqa: ANN001
     with WeightSender(lora, config=SenderConfig(bucket_bytes=64 << 10), client=client, zero_stage=3,
                       is_main=main) as other:
         out["lora"] = {"report": report(other.sync(v + 5)), **check(lora, client)}
+    out["coalesced_equals_deepspeed"] = [gathers_agree(m) for m in (engine.module, lora.module)]
     return out
+
+
+def gathers_agree(module: torch.nn.Module) -> bool:
+    """The sender's one-all-gather-a-bucket values equal DeepSpeed's GatheredParameters', bit for
+    bit, for every item (merged LoRA weights included). Collective."""
+    from treadle.rollout.engine.weights import plan_buckets
+    from treadle.trainer.weights.gather import gathered, plan
+
+    items = plan(module)
+    sizes = plan_buckets([it.nbytes for it in items], 64 << 10)
+    values = []
+    for coalesce in (True, False):
+        got = {}
+        for lo, hi in gathered(items, sizes, zero3=True, coalesce=coalesce):
+            got.update({it.name: it.value().clone() for it in items[lo:hi]})
+        values.append(got)
+    return values[0].keys() == values[1].keys() and all(torch.equal(values[0][k], values[1][k]) for k in values[0])
 
 
 def main() -> int:

@@ -10,9 +10,15 @@ non-persistent ones (rotary tables) are not. A LoRA layer's weight is listed onc
 trained module is never modified. Adapter tensors themselves are not listed.
 
 ``gathered(items, sizes, zero3=...)`` walks the buckets. Under ZeRO-3 each bucket's parameters
-are all-gathered (``deepspeed.zero.GatheredParameters``, a collective: every rank must walk the
-same buckets in the same order) while the caller works on that bucket, and released before the
-next one, so the full model is never materialised. ``pack`` copies a gathered bucket into a flat
+are all-gathered (a collective: every rank must walk the same buckets in the same order) while
+the caller works on that bucket, and released before the next one, so the full model is never
+materialised. The gather is one flat ``all_gather_into_tensor`` of the bucket's local
+partitions (``coalesced``: DeepSpeed's partition layout, each parameter's flat elements split in
+equal, zero-padded pieces in partition-rank order), after which rank 0 points each parameter's
+``.data`` at its reassembled tensor for the bucket's duration; on 2xH200 DeepSpeed's
+``GatheredParameters``, one gather per parameter, reached ~65 GB/s for a 3.09 GB model against
+NCCL's ~355 GB/s. Buckets it cannot take (parameters offloaded to CPU under NCCL, hpZ secondary
+partitions, mixed groups or dtypes) use ``GatheredParameters``. ``pack`` copies a gathered bucket into a flat
 buffer in the layout of ``treadle.rollout.engine.weights.bucket_layout``, converting each tensor
 to its sent dtype on the way.
 
@@ -24,6 +30,7 @@ Not here: the group, threads, the daemon's protocol (``sender``).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -192,18 +199,73 @@ def _partitioned(items: Sequence[Item]) -> list[torch.Tensor]:
     return list(seen.values())
 
 
-def gathered(items: Sequence[Item], sizes: Sequence[int], *, zero3: bool) -> Iterator[tuple[int, int]]:
+def gathered(items: Sequence[Item], sizes: Sequence[int], *, zero3: bool, keep: bool = True,
+             coalesce: bool = True) -> Iterator[tuple[int, int]]:
     """Yield each bucket's ``(lo, hi)`` item range; under ZeRO-3 its parameters stay gathered
-    until the loop asks for the next bucket. Collective under ZeRO-3: every rank loops alike."""
+    until the loop asks for the next bucket. Collective under ZeRO-3: every rank loops alike.
+    ``keep``: this rank reads the values (rank 0); the others only take part in the gathers.
+    ``coalesce``: one flat all-gather a bucket where possible, else DeepSpeed's per parameter."""
     for lo, hi in bucket_ranges(sizes, len(items)):
         params = _partitioned(items[lo:hi]) if zero3 else []
         if not params:
             yield lo, hi
             continue
+        group = coalescible(params) if coalesce else None
+        if group is not None:
+            with coalesced(params, group, keep=keep):
+                yield lo, hi
+            continue
         import deepspeed  # noqa: PLC0415
 
         with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
             yield lo, hi
+
+
+def coalescible(params: Sequence[torch.Tensor]) -> Any:
+    """The partition group when one flat all-gather can rebuild ``params`` (ZeRO-3 parameters with
+    their primary partition in ``ds_tensor``, one group, one dtype and device that the group's
+    backend can reach); None otherwise."""
+    import torch.distributed as dist  # noqa: PLC0415
+
+    first = params[0]
+    group = getattr(first, "ds_process_group", None)
+    for p in params:
+        t = getattr(p, "ds_tensor", None)
+        if (t is None or getattr(p, "ds_secondary_tensor", None) is not None or p.ds_process_group is not group
+                or t.dtype != first.ds_tensor.dtype or t.device != first.ds_tensor.device
+                or t.numel() * dist.get_world_size(group) < p.ds_numel):
+            return None
+    if first.ds_tensor.device.type == "cpu" and dist.get_backend(group) == "nccl":
+        return None  # parameters offloaded to CPU: NCCL cannot gather host memory
+    return group
+
+
+@contextlib.contextmanager
+def coalesced(params: Sequence[torch.Tensor], group: Any, *, keep: bool) -> Iterator[None]:
+    """All-gather ``params``' partitions in one collective; with ``keep`` each parameter's
+    ``.data`` is its full tensor inside the block (restored after). Partition rank r holds
+    elements [r P, (r + 1) P) of the flattened parameter, P = ceil(numel / world)."""
+    import torch.distributed as dist  # noqa: PLC0415
+
+    world = dist.get_world_size(group)
+    parts = [p.ds_tensor.reshape(-1) for p in params]
+    local = torch.cat(parts)
+    grid = torch.empty(world, local.numel(), dtype=local.dtype, device=local.device)
+    # all_gather_single is all_gather_into_tensor's newer name (the old one warns from torch 2.13)
+    getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(grid.view(-1), local, group=group)
+    saved: list[tuple[torch.Tensor, torch.Tensor]] = []
+    try:
+        if keep:
+            offset = 0
+            for p, part in zip(params, parts, strict=True):
+                full = grid[:, offset:offset + part.numel()].reshape(-1)[:p.ds_numel].view(p.ds_shape)
+                saved.append((p, p.data))
+                p.data = full
+                offset += part.numel()
+        yield
+    finally:
+        for p, data in saved:
+            p.data = data
 
 
 def bucket_bytes(items: Sequence[Item]) -> int:

@@ -91,6 +91,8 @@ class SenderConfig:
     # a gloo/nccl group; tensors in the message; or CUDA IPC handles for engines on rank 0's GPU
     backend: Literal["gloo", "nccl"] = "gloo"  # the group's backend (collective)
     bucket_bytes: int = 256 << 20  # bytes per broadcast; 0: one tensor per broadcast (the baseline)
+    gather: Literal["coalesced", "per_parameter"] = "coalesced"  # ZeRO-3: one flat all-gather a bucket,
+    # or DeepSpeed's GatheredParameters (the baseline; see ``gather``)
     dtype: str | None = None  # the engines' dtype ("bfloat16", ...); None: the trainer's parameter dtype
     lora: Literal["merged", "adapter"] = "merged"  # LoRA models: send W + scaling * B @ A under the base names
     host: str = "127.0.0.1"  # where rank 0 hosts the group's TCPStore (reachable from the engines)
@@ -232,7 +234,8 @@ class WeightSender:
         tensors: list[torch.Tensor] = []
         start = time.perf_counter()
         if self._is_main or self._zero3:
-            for lo, hi in gathered(items, sizes, zero3=self._zero3):
+            for lo, hi in gathered(items, sizes, zero3=self._zero3, keep=self._is_main,
+                                  coalesce=self.config.gather == "coalesced"):
                 if self._is_main:
                     tensors.extend(host_copy(it) for it in items[lo:hi])
         gather_s, answer, err, send_s = time.perf_counter() - start, None, None, 0.0
@@ -253,7 +256,8 @@ class WeightSender:
         start = time.perf_counter()
         if self._is_main or self._zero3:
             buffer, offset = (self._ipc_buffer_for(items, sizes) if self._is_main else None), 0
-            for lo, hi in gathered(items, sizes, zero3=self._zero3):
+            for lo, hi in gathered(items, sizes, zero3=self._zero3, keep=self._is_main,
+                                  coalesce=self.config.gather == "coalesced"):
                 if self._is_main:
                     n = bucket_bytes(items[lo:hi])
                     pack(items[lo:hi], buffer[offset:offset + n])
@@ -279,7 +283,8 @@ class WeightSender:
         if not (self._is_main or self._zero3):
             return 0.0
         start, waited, stopped = time.perf_counter(), 0.0, transfer is None
-        for lo, hi in gathered(items, sizes, zero3=self._zero3):
+        for lo, hi in gathered(items, sizes, zero3=self._zero3, keep=self._is_main,
+                                  coalesce=self.config.gather == "coalesced"):
             if stopped:  # gather anyway: the other ranks' all-gathers need this rank
                 continue
             t = time.perf_counter()
