@@ -4,61 +4,32 @@
     treadle-rewards serve --rm.path ./ckpt/rm --zmq.endpoint tcp://127.0.0.1:5555
     treadle-rewards serve --help
 
-``main()`` parses the flags into a ``ServeConfig`` (``treadle.common.config.parse``), starts a
-``RewardDaemon``, serves until SIGINT/SIGTERM, and closes it in ``finally``.
+``main()`` parses the flags into a ``ServeConfig``, starts a ``RewardDaemon``, serves until
+SIGINT / SIGTERM, and closes it (``treadle.common.serve_cli``).
 """
 
 from __future__ import annotations
 
-import asyncio
-import signal
-import sys
 from collections.abc import Sequence
 
-from treadle.common.config import ConfigError, parse
-from treadle.common.log import get_logger, setup_logging
+from treadle.common.serve_cli import serve_main, until_signal
 from treadle.rewards.config import ServeConfig
 from treadle.rewards.daemon import RewardDaemon
-
-USAGE = "usage: treadle-rewards serve [--help] [FLAGS]   (the reward daemon; see `serve --help`)"
 
 
 async def serve(cfg: ServeConfig) -> None:
     """Run the daemon until SIGINT or SIGTERM."""
     daemon = RewardDaemon(cfg)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    try:
+
+    async def start() -> str:
         addrs = await daemon.start()
-        print(f"treadle-rewards: serving zmq={addrs.zmq} http={addrs.http}", flush=True)
-        await stop.wait()
-    finally:
-        await daemon.close()
+        return f"treadle-rewards: serving zmq={addrs.zmq} http={addrs.http}"
+
+    await until_signal(start, daemon.close)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    args = list(sys.argv[1:] if argv is None else argv)
-    if not args or args[0] in ("-h", "--help"):
-        print(USAGE)
-        raise SystemExit(0 if args else 2)
-    if args[0] != "serve":
-        print(f"treadle-rewards: unknown command {args[0]!r}\n{USAGE}", file=sys.stderr)
-        raise SystemExit(2)
-    setup_logging()
-    try:
-        cfg = parse(ServeConfig, args[1:], prog="treadle-rewards serve")
-    except ConfigError as e:
-        print(f"treadle-rewards serve: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
-    try:
-        asyncio.run(serve(cfg))
-    except KeyboardInterrupt:
-        pass
-    except Exception as e:
-        get_logger(__name__).error("treadle-rewards serve failed: %s", e, exc_info=e)
-        raise SystemExit(1) from None
+    serve_main(argv, tool="treadle-rewards", what="the reward daemon", config=ServeConfig, serve=serve)
 
 
 if __name__ == "__main__":
