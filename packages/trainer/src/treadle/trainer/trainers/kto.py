@@ -21,12 +21,10 @@ from treadle.trainer.data.formatting import kto_samples
 from treadle.trainer.data.samples import Sample
 from treadle.trainer.losses.preference import kto_loss
 from treadle.trainer.models.actor import Actor
-from treadle.trainer.models.loading import load_causal_lm
 from treadle.trainer.ops.logprobs import sequence_sums
 from treadle.trainer.strategy.deepspeed import all_reduce
-from treadle.trainer.trainers import build
 from treadle.trainer.trainers.base import Parts, SupervisedTrainer
-from treadle.trainer.trainers.ref_logps import RefLogps, build_reference, local_batches_of
+from treadle.trainer.trainers.ref_logps import RefLogps, policy_with_reference
 from treadle.trainer.trainers.sft import export_causal_lm
 
 
@@ -71,22 +69,9 @@ class KTOTrainer(SupervisedTrainer):
 
 def build_trainer(cfg: KTOConfig) -> KTOTrainer:
     data = cfg.data
-    dist = build.start(cfg, ring_supported=True, tp_supported=True)
-    ring = build.ring_group(cfg, dist)
-    dp = build.data_parallel_view(cfg, dist, ring)
-    tok, fmt = build.tokenizer_and_formatter(cfg)
-    train, evaluation = build.datasets(cfg, lambda rows: kto_samples(
+    parts, ref = policy_with_reference(cfg, lambda rows, fmt: kto_samples(
         rows, fmt, input_key=data.input_key, output_key=data.output_key, label_key=data.label_key,
-        max_len=data.max_len), dist, tok)
-    ref = build_reference(cfg.ref, cfg.actor.model_name_or_path, cfg.ds, dist, {"train": train, "eval": evaluation},
-                          local_batches_of(cfg, tok.pad_token_id or 0), ring=ring)
-    model = load_causal_lm(cfg.actor.model_name_or_path, cfg.ds, trainable=True,
-                           gradient_checkpointing=cfg.actor.gradient_checkpointing_enable,
-                           reentrant=cfg.actor.gradient_checkpointing_reentrant)
-    engine, order = build.engine(model, cfg, dist, len(train), ring, dp)
-    parts = Parts(dist=dist, engine=engine, tokenizer=tok, train_set=train, eval_set=evaluation, order=order,
-                  checkpointer=build.checkpointer(cfg, dist), metrics=build.metrics_logger(cfg, dist, "kto"),
-                  loop=build.loop_config(cfg, "eval_loss"), zero_stage=cfg.ds.zero_stage, ring=ring, dp=dp)
+        max_len=data.max_len), "kto")
     a = cfg.actor
     return KTOTrainer(parts, ref, beta=a.beta, desirable_weight=a.desirable_weight, undesirable_weight=a.undesirable_weight)
 

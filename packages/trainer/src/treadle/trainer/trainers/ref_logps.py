@@ -111,3 +111,26 @@ def local_batches_of(cfg: Any, pad_id: int) -> Batches:
     t = cfg.train
     return functools.partial(local_batches, micro_batch=t.micro_batch_size, packing=cfg.ds.packing_samples,
                              token_budget=t.max_tokens_per_gpu if t.dynamic_batch_enable else None, pad_id=pad_id)
+
+
+def policy_with_reference(cfg: Any, samples: Callable[[Any, Any], list[Sample]], recipe: str) -> tuple[Any, RefLogps]:
+    """DPO / KTO's shared build: distributed start, ring, data (``samples(rows, formatter)``), the
+    reference's log-probs, the trainable policy and its engine -> (``Parts``, ``RefLogps``)."""
+    from treadle.trainer.models.loading import load_causal_lm  # noqa: PLC0415
+    from treadle.trainer.trainers.base import Parts  # noqa: PLC0415
+
+    dist = build.start(cfg, ring_supported=True, tp_supported=True)
+    ring = build.ring_group(cfg, dist)
+    dp = build.data_parallel_view(cfg, dist, ring)
+    tok, fmt = build.tokenizer_and_formatter(cfg)
+    train, evaluation = build.datasets(cfg, lambda rows: samples(rows, fmt), dist, tok)
+    ref = build_reference(cfg.ref, cfg.actor.model_name_or_path, cfg.ds, dist, {"train": train, "eval": evaluation},
+                          local_batches_of(cfg, tok.pad_token_id or 0), ring=ring)
+    model = load_causal_lm(cfg.actor.model_name_or_path, cfg.ds, trainable=True,
+                           gradient_checkpointing=cfg.actor.gradient_checkpointing_enable,
+                           reentrant=cfg.actor.gradient_checkpointing_reentrant)
+    engine, order = build.engine(model, cfg, dist, len(train), ring, dp)
+    parts = Parts(dist=dist, engine=engine, tokenizer=tok, train_set=train, eval_set=evaluation, order=order,
+                  checkpointer=build.checkpointer(cfg, dist), metrics=build.metrics_logger(cfg, dist, recipe),
+                  loop=build.loop_config(cfg, "eval_loss"), zero_stage=cfg.ds.zero_stage, ring=ring, dp=dp)
+    return parts, ref
