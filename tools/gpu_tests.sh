@@ -8,7 +8,8 @@
 # elsewhere with `pip download`, are unpacked into a scratch folder put on PYTHONPATH, together
 # with the packages' sources (nothing is installed into the machine's Python). A DeepSpeed wheel
 # is unpacked as a zip (pure Python; its CUDA ops are JIT-built when used).
-# Runs: the trainer's packed-attention equality per kernel, ZeRO-3 -> HF daemon weight sync over
+# Runs: the trainer's packed-attention equality per kernel, the ring's cuda_flash tiles against its
+# math tiles, ZeRO-3 -> HF daemon weight sync over
 # NCCL and CUDA IPC (bit-identical), ring attention equality over NCCL, the engine's NCCL receive.
 set -euo pipefail
 cd "$(dirname "$0")/.."
