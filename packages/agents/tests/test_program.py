@@ -117,6 +117,38 @@ def test_a_program_that_breaks_the_contract_fails_its_episode_naming_why(aio, ga
     assert not gateway.sessions
 
 
+def test_no_more_than_max_procs_programs_run_at_once_and_waiting_is_not_timed(aio, gateway, sampler, chat, tmp_path):
+    from treadle.agents.api import Episode
+    from treadle.agents.executor import ExecutorConfig
+    from treadle.agents.program import ProgramExecutor
+    from treadle.common.records import SamplingParams
+
+    script = tmp_path / "slow.py"  # records how many copies run at once, through a lock file
+    script.write_text(textwrap.dedent('''
+        import fcntl, json, os, sys, time
+        sys.stdin.readline()
+        path = os.environ["COUNT"]
+        def bump(d):
+            with open(path, "a+") as f:
+                fcntl.flock(f, fcntl.LOCK_EX); f.seek(0); now, peak = (json.loads(f.read() or "[0, 0]"))
+                now += d; peak = max(peak, now); f.seek(0); f.truncate(); f.write(json.dumps([now, peak]))
+        bump(1); time.sleep(1.5); bump(-1)
+        print(json.dumps({"reward": 1.0}))
+    '''))
+    count = tmp_path / "count"
+    ex = ProgramExecutor(command=[sys.executable, str(script)], gateway=gateway, sampler=sampler, chat=chat,
+                         env={"COUNT": str(count)}, max_procs=2, sampling=SamplingParams(max_tokens=4),
+                         config=ExecutorConfig(max_length=64, episode_timeout_s=4.0))
+    trajs = aio(ex.run_many([Episode(prompt="hi") for _ in range(6)]), timeout=120)
+    # every program made no request: each episode fails for that, after running its full 1.5 s;
+    # 6 programs two at a time take 3 rounds (~4.5 s > the 4 s timeout), yet none timed out
+    assert all("made no chat request" in t.info["error"] for t in trajs)
+    assert ex.stats.timed_out == 0 and json.loads(count.read_text()) == [0, 2]
+    with pytest.raises(ValueError, match="max_procs must be >= 1, got 0"):
+        ProgramExecutor(command=["x"], gateway=gateway, sampler=sampler, chat=chat, max_procs=0,
+                        sampling=SamplingParams())
+
+
 def test_a_program_past_the_episode_timeout_is_killed(aio, gateway, sampler, chat, tmp_path):
     from treadle.agents.api import Episode
 

@@ -14,6 +14,9 @@
 - the session's recorded tokens (prompt, each sampled turn with its logprobs, the text between
   turns with loss mask 0: ``gateway.session``) become the Trajectory, with that reward.
 
+At most ``max_procs`` programs run at once (``--train.agent_max_procs``); an episode's timeout
+starts when it gets a slot.
+
 An episode fails (a Trajectory with ``finish_reason="error"``, ``info["failed_stage"] ==
 "agent"``) when the program exits non-zero (the error names the code and ends with its
 standard error's last lines), prints no JSON object with a numeric ``reward`` last, makes no
@@ -36,6 +39,7 @@ import signal
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from treadle.agents.api import Episode
 from treadle.agents.executor import EpisodeState, ExecutorBase, floats_of
 from treadle.common.records import Trajectory
 
@@ -43,6 +47,9 @@ STDOUT_LIMIT = 1 << 20
 """Bytes of a program's standard output kept (its last line is the result)."""
 STDERR_TAIL = 2000
 """Characters of a failing program's standard error quoted in the error."""
+MAX_PROCS = 64
+"""Agent programs running at once by default: each is a process (tens of MB), and a GRPO step can
+hold thousands of episodes; enough in flight to keep the engines batching."""
 
 
 class AgentProgramError(RuntimeError):
@@ -77,11 +84,20 @@ class ProgramExecutor(ExecutorBase):
     """Episodes played by ``command`` through ``gateway`` (see the module docstring)."""
 
     def __init__(self, *, command: Sequence[str], gateway: Any, env: Mapping[str, str] | None = None,
-                 **kw: Any) -> None:
+                 max_procs: int = MAX_PROCS, **kw: Any) -> None:
         super().__init__(**kw)
         if not command:
             raise ValueError("ProgramExecutor needs a command")
+        if max_procs < 1:
+            raise ValueError(f"ProgramExecutor: max_procs must be >= 1, got {max_procs}")
         self.command, self.gateway, self.env = list(command), gateway, dict(env or {})
+        self._slots = asyncio.Semaphore(max_procs)
+
+    async def run(self, episode: Episode) -> Trajectory:
+        """One episode once one of the ``max_procs`` program slots is free (the episode's timeout
+        starts then: waiting for a slot is not the program's time)."""
+        async with self._slots:
+            return await super().run(episode)
 
     def _env(self, sid: str) -> dict[str, str]:
         """This process's environment, ``env``, and the session's address."""

@@ -65,6 +65,8 @@ class RLTrainConfig(TrainConfig):
     """Command of an agent program, run once per episode: it reads the episode as a JSON line on
     stdin, talks to the model through OpenAI's chat API at $OPENAI_BASE_URL (treadle's gateway,
     recording the exact tokens), and prints {"reward": ...} last; rewards then come from it."""
+    agent_max_procs: int = 64
+    """Agent programs (--agent_cmd) running at once."""
     enable_ema: bool = False
     """Keep an exponential moving average of the actor weights."""
     ema_beta: float = 0.992
@@ -76,6 +78,8 @@ class RLTrainConfig(TrainConfig):
             raise ConfigError(f"--num_episodes must be >= 1, got {self.num_episodes}")
         if self.async_queue_size < 1:
             raise ConfigError(f"--async_queue_size must be >= 1, got {self.async_queue_size}")
+        if self.agent_max_procs < 1:
+            raise ConfigError(f"--agent_max_procs must be >= 1, got {self.agent_max_procs}")
         if self.partial_rollout_enable and not self.async_enable:
             raise ConfigError("--partial_rollout_enable needs --async_enable")
         if not 0 < self.ema_beta < 1:

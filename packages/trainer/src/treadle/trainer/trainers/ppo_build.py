@@ -154,7 +154,7 @@ def executor(cfg: PPOConfig, *, sampler: Any, chat: Any, sampling: SamplingParam
         from treadle.agents.program import ProgramExecutor  # noqa: PLC0415
 
         return ProgramExecutor(command=shlex.split(cfg.train.agent_cmd), gateway=gateway, sampler=sampler, chat=chat,
-                               sampling=sampling, config=config)
+                               sampling=sampling, config=config, max_procs=cfg.train.agent_max_procs)
     if cfg.train.agent_func_path:
         from treadle.agents.openrlhf.loader import AgentFileExecutor  # noqa: PLC0415
 
