@@ -81,6 +81,22 @@ def test_chunked_entropy_equals_the_log_softmax_formula_in_value_and_gradient(dt
     assert torch.allclose(a.grad.float(), b.grad.float(), atol=1e-2 if dtype == torch.bfloat16 else 1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_logprobs_and_entropy_of_the_same_logits_backpropagate_together(dtype):
+    """PPO's loss uses both of the same logits: neither backward may touch the saved logits (on
+    fp32 ``.float()`` is the tensor itself; an in-place op there broke autograd's version check)."""
+    g = torch.Generator().manual_seed(2)
+    base = torch.randn(2, 7, 11, generator=g).to(dtype)
+    ids = torch.randint(0, 11, (2, 7), generator=g)
+    a, b = base.clone().requires_grad_(), base.clone().requires_grad_()
+    (token_logprobs(a, ids, 0.8).sum() + 0.1 * token_entropy(a, 0.8).sum()).backward()
+    z = b[:, :-1].float() / 0.8
+    logp = torch.log_softmax(z, -1)
+    (logp.gather(-1, ids[:, 1:, None]).sum() - 0.1 * (logp.exp() * logp).sum()).backward()
+    assert torch.equal(a.detach(), base)
+    assert torch.allclose(a.grad.float(), b.grad.float(), atol=1e-2 if dtype == torch.bfloat16 else 1e-5, rtol=0)
+
+
 def test_chunked_logprobs_refuse_a_zero_chunk():
     with pytest.raises(ValueError, match="chunk must be >= 1, got 0"):
         picked_logprobs(torch.zeros(1, 2, 3), torch.zeros(1, 2, dtype=torch.long), chunk=0)

@@ -102,7 +102,8 @@ class _Entropy(torch.autograd.Function):
         rows, length, _ = logits.shape
         grad_logits = torch.empty_like(logits)
         for r, a, b in _chunks(rows, length, ctx.chunk):
-            logp = logits[r, a:b].float().div_(tau).sub_(lse[r, a:b, None])
+            # out of place first: on fp32 logits .float() is the saved tensor itself
+            logp = (logits[r, a:b].float() / tau).sub_(lse[r, a:b, None])
             dz = torch.exp(logp).mul_(logp.add_(ent[r, a:b, None])).mul_(-grad[r, a:b, None].float() / tau)
             grad_logits[r, a:b] = dz
         return grad_logits, None, None
