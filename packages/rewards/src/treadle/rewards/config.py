@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Literal
 
 from treadle.common.config import ConfigError, configclass, secret
-from treadle.common.rpc.transport import is_loopback, split_tcp
+from treadle.common.rpc.transport import is_loopback, off_loopback
 
 
 @configclass
@@ -247,7 +247,7 @@ class ServeConfig:
             raise ConfigError(f"refusing to serve HTTP on {self.http.host} without --http.token or "
                               "--http.token_file: anyone who can reach it could use this service")
         ep = self.zmq.endpoint
-        if ep and ep.startswith("tcp://") and not is_loopback(split_tcp(ep)[0]) and self.zmq.curve_dir is None:
+        if ep and off_loopback(ep) and self.zmq.curve_dir is None:
             raise ConfigError(f"refusing to bind {ep} without --zmq.curve_dir (CURVE keys: treadle-keys generate DIR)")
         if self.shaping.length_unit == "tokens" and self.shaping.enabled and self.shaping.overlong_buffer_len \
                 is not None and self.shaping.tokenizer is None and self.rm.path is None:

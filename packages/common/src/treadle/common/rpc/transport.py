@@ -58,6 +58,12 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def off_loopback(endpoint: str) -> bool:
+    """Whether ``endpoint`` is a tcp address on a non-loopback host: what treadle's daemons serve
+    only with CURVE keys. ipc:// and inproc:// are not; a malformed tcp endpoint raises ValueError."""
+    return endpoint.startswith("tcp://") and not is_loopback(split_tcp(endpoint)[0])
+
+
 def check_endpoint(endpoint: str, *, secure: bool, role: str) -> str:
     """The endpoint to bind/connect, after the safety rules; ``role`` is "bind" or "connect".
 

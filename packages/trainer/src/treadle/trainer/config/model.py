@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 from treadle.common.config import ConfigError, configclass, secret
 from treadle.trainer.config.optim import OptimizerConfig
+from treadle.trainer.config.rollout import require_client_keys
 
 
 def _check_model(cfg: Any) -> None:
@@ -299,18 +300,3 @@ class RewardConfig:
             return Path(self.token_file).read_text().strip() or None
         return self.token
 
-
-def require_client_keys(endpoint: str, curve_dir: str, flag: str) -> None:
-    """ConfigError naming ``flag`` for a tcp endpoint off loopback without CURVE keys: treadle's
-    daemons only bind such addresses with CURVE, so a client without keys could never connect."""
-    from treadle.common.rpc.transport import is_loopback, split_tcp  # noqa: PLC0415
-
-    if not endpoint.startswith("tcp://") or curve_dir:
-        return
-    try:
-        host, _ = split_tcp(endpoint)
-    except ValueError as e:
-        raise ConfigError(str(e)) from e
-    if not is_loopback(host):
-        raise ConfigError(f"{endpoint} is not on loopback: treadle daemons serve such addresses only with CURVE; "
-                          f"give the client keys with {flag} DIR (treadle-keys generate DIR)")

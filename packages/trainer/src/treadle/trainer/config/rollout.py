@@ -9,7 +9,6 @@ from __future__ import annotations
 from typing import Annotated, Literal
 
 from treadle.common.config import ConfigError, alias, configclass
-from treadle.trainer.config.model import require_client_keys
 
 
 @configclass
@@ -52,12 +51,26 @@ class RolloutConfig:
         return self.vllm_generate_batch_size or self.batch_size
 
 
+def require_client_keys(endpoint: str, curve_dir: str, flag: str) -> None:
+    """ConfigError naming ``flag`` for a tcp endpoint off loopback without CURVE keys: treadle's
+    daemons only bind such addresses with CURVE, so a client without keys could never connect."""
+    from treadle.common.rpc.transport import off_loopback  # noqa: PLC0415
+
+    try:
+        if curve_dir or not off_loopback(endpoint):
+            return
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+    raise ConfigError(f"{endpoint} is not on loopback: treadle daemons serve such addresses only with CURVE; "
+                      f"give the client keys with {flag} DIR (treadle-keys generate DIR)")
+
+
 def _require_sync_host(endpoint: str, sync_host: str) -> None:
     """ConfigError when the daemon is off loopback but the weight group would be hosted on
     loopback: its engines, on another host, could never join."""
-    from treadle.common.rpc.transport import is_loopback, split_tcp  # noqa: PLC0415
+    from treadle.common.rpc.transport import is_loopback, off_loopback  # noqa: PLC0415
 
-    if endpoint.startswith("tcp://") and not is_loopback(split_tcp(endpoint)[0]) and is_loopback(sync_host):
+    if off_loopback(endpoint) and is_loopback(sync_host):
         raise ConfigError(f"--vllm.endpoint {endpoint} is not on loopback, so its engines cannot join a weight group "
                           f"hosted on {sync_host}: set --vllm.sync_host to an address of this host they can reach")
 
