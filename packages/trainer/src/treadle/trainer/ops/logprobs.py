@@ -27,6 +27,17 @@ def _chunks(rows: int, length: int, chunk: int) -> list[tuple[int, int, int]]:
     return [(r, a, min(length, a + chunk)) for r in range(rows) for a in range(0, length, chunk)]
 
 
+def _scaled(logits: Tensor, tau: float) -> Tensor:
+    """z = logits / tau as a new fp32 tensor: never the caller's (``.float()`` of fp32 logits is
+    the tensor itself, and autograd's saved logits must not change)."""
+    return logits.float() / tau
+
+
+def _check_chunk(chunk: int, name: str) -> None:
+    if chunk < 1:
+        raise ValueError(f"{name}: chunk must be >= 1, got {chunk}")
+
+
 class _PickedLogprobs(torch.autograd.Function):
     """logits ``[R, S, V]``, ids ``[R, S]`` -> ``[R, S]`` fp32: z[ids] - logsumexp(z), z = logits / tau.
 
@@ -38,7 +49,7 @@ class _PickedLogprobs(torch.autograd.Function):
         out = torch.empty(rows, length, dtype=torch.float32, device=logits.device)
         lse = torch.empty_like(out)
         for r, a, b in _chunks(rows, length, chunk):
-            z = logits[r, a:b].float() / temperature
+            z = _scaled(logits[r, a:b], temperature)
             lse[r, a:b] = torch.logsumexp(z, dim=-1)
             out[r, a:b] = z.gather(-1, ids[r, a:b, None]).squeeze(-1) - lse[r, a:b]
         ctx.save_for_backward(logits, ids, lse)
@@ -53,7 +64,7 @@ class _PickedLogprobs(torch.autograd.Function):
         grad_logits = torch.empty_like(logits)
         for r, a, b in _chunks(rows, length, ctx.chunk):
             g = grad[r, a:b, None].float()
-            dz = torch.exp(logits[r, a:b].float() / tau - lse[r, a:b, None]).mul_(-g)
+            dz = torch.exp(_scaled(logits[r, a:b], tau).sub_(lse[r, a:b, None])).mul_(-g)
             dz.scatter_add_(-1, ids[r, a:b, None], g)
             grad_logits[r, a:b] = dz.div_(tau)
         return grad_logits, None, None, None
@@ -62,8 +73,7 @@ class _PickedLogprobs(torch.autograd.Function):
 def picked_logprobs(logits: Tensor, ids: Tensor, temperature: float = 1.0, chunk: int = CHUNK_TOKENS) -> Tensor:
     """log softmax(logits / tau)[ids] at every position: logits ``[R, S, V]`` (any float dtype;
     computed in fp32, ``chunk`` positions at a time), ids ``[R, S]`` -> ``[R, S]`` fp32."""
-    if chunk < 1:
-        raise ValueError(f"picked_logprobs: chunk must be >= 1, got {chunk}")
+    _check_chunk(chunk, "picked_logprobs")
     return _PickedLogprobs.apply(logits, ids, float(temperature), chunk)
 
 
@@ -87,7 +97,7 @@ class _Entropy(torch.autograd.Function):
         ent = torch.empty(rows, length, dtype=torch.float32, device=logits.device)
         lse = torch.empty_like(ent)
         for r, a, b in _chunks(rows, length, chunk):
-            z = logits[r, a:b].float() / temperature
+            z = _scaled(logits[r, a:b], temperature)
             lse[r, a:b] = torch.logsumexp(z, dim=-1)
             logp = z.sub_(lse[r, a:b, None])  # -sum p log p, not lse - sum p z: no cancellation of two large terms
             ent[r, a:b] = -(torch.exp(logp) * logp).sum(-1)
@@ -102,8 +112,7 @@ class _Entropy(torch.autograd.Function):
         rows, length, _ = logits.shape
         grad_logits = torch.empty_like(logits)
         for r, a, b in _chunks(rows, length, ctx.chunk):
-            # out of place first: on fp32 logits .float() is the saved tensor itself
-            logp = (logits[r, a:b].float() / tau).sub_(lse[r, a:b, None])
+            logp = _scaled(logits[r, a:b], tau).sub_(lse[r, a:b, None])
             dz = torch.exp(logp).mul_(logp.add_(ent[r, a:b, None])).mul_(-grad[r, a:b, None].float() / tau)
             grad_logits[r, a:b] = dz
         return grad_logits, None, None
@@ -112,8 +121,7 @@ class _Entropy(torch.autograd.Function):
 def chunked_entropy(logits: Tensor, temperature: float = 1.0, chunk: int = CHUNK_TOKENS) -> Tensor:
     """Entropy of softmax(logits / tau) at every position: ``[R, S, V]`` -> ``[R, S]`` fp32, in fp32
     ``chunk`` positions at a time (autograd keeps the logits and two fp32 values a position)."""
-    if chunk < 1:
-        raise ValueError(f"chunked_entropy: chunk must be >= 1, got {chunk}")
+    _check_chunk(chunk, "chunked_entropy")
     return _Entropy.apply(logits, float(temperature), chunk)
 
 
