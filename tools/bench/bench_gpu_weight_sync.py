@@ -16,8 +16,9 @@ trainer model from the same config (seed 1), wrapped in a ZeRO-3 DeepSpeed engin
    ``raw_nccl`` (a plain ``WeightGroup`` broadcast of the same bytes in the same buckets to the
    raw receiver on GPU 1, until it acknowledged), ``raw_ipc`` (the raw receiver on GPU 0 maps
    the same buckets with ``open_handles`` and copies them into its own buffer, until it
-   acknowledged), ``gather`` (the ZeRO-3 gathers alone, bucket by bucket, both ranks) and
-   ``gather_pack`` (+ packing on rank 0), ``nccl`` and ``ipc`` (a full ``WeightSender.sync``:
+   acknowledged), ``gather`` (the ZeRO-3 gathers alone, bucket by bucket, both ranks, to rank 0
+   as the sender does them; ``gather_all``: as all-gathers with every full tensor assembled)
+   and ``gather_pack`` (+ packing on rank 0, as the sender does it), ``nccl`` and ``ipc`` (a full ``WeightSender.sync``:
    gather, pack, transfer, the engine's load, the daemon's answer), each bucketed
    (``--bucket-mb``) and per tensor.
 
@@ -51,6 +52,12 @@ import torch
 import torch.distributed as dist
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+def bucket_ranges(sizes: list[int], n: int) -> list[tuple[int, int]]:
+    from treadle.rollout.engine.weights import bucket_ranges as ranges
+
+    return list(ranges(sizes, n))
 PROBE = list(range(5, 69))
 SHAPE_1P5B = dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
                   num_key_value_heads=2, vocab_size=151936)  # Qwen2.5-1.5B's shape
@@ -203,17 +210,28 @@ class Bench:
 
     # -- gathering
 
-    def gather(self, layout: str, buffer: torch.Tensor | None) -> float:
-        """ZeRO-3 gathers of every bucket (rank 0 packs into ``buffer`` if given); seconds."""
-        from treadle.trainer.weights.gather import gathered, pack
+    def gather(self, layout: str, buffer: torch.Tensor | None, to_main: bool = True) -> float:
+        """ZeRO-3 gathers of every bucket as the sender does them (``packed``: one gather to rank 0
+        a bucket; with ``buffer``, rank 0 scatters each into its place there) or, ``to_main``
+        False, as all-gathers with every full tensor assembled on every rank (``gathered``); seconds."""
+        from treadle.trainer.weights.gather import gathered, pack, packed
 
         self.barrier()
         self.sync_device()
-        start, off = time.perf_counter(), 0
-        for (lo, hi), n in zip(gathered(self.items, self.sizes[layout], zero3=True), self.layout_bytes[layout], strict=True):
-            if buffer is not None and self.main:
-                pack(self.items[lo:hi], buffer[off:off + n])
-            off += n
+        start, offsets = time.perf_counter(), {}
+        for (lo, _), off in zip(bucket_ranges(self.sizes[layout], len(self.items)),
+                                [o for o, _ in spans(self.layout_bytes[layout])], strict=True):
+            offsets[lo] = off
+        if to_main:
+            def dest(lo: int, hi: int) -> torch.Tensor | None:
+                return buffer[offsets[lo]:] if buffer is not None and self.main else None
+
+            for _ in packed(self.items, self.sizes[layout], dest, zero3=True, main=self.main):
+                pass
+        else:
+            for lo, hi in gathered(self.items, self.sizes[layout], zero3=True):
+                if buffer is not None and self.main:
+                    pack(self.items[lo:hi], buffer[offsets[lo]:])
         self.sync_device()
         return time.perf_counter() - start
 
@@ -283,7 +301,7 @@ class Bench:
 
 def schedule(repeats: int, ipc: bool) -> list[list[tuple[str, str]]]:
     """Rounds of (op, layout); round 0 is the warm-up; every other round runs reversed."""
-    ops = ["raw_nccl", "gather", "gather_pack", "nccl"] + (["raw_ipc", "ipc"] if ipc else [])
+    ops = ["raw_nccl", "gather_all", "gather", "gather_pack", "nccl"] + (["raw_ipc", "ipc"] if ipc else [])
     one = [(op, layout) for op in ops for layout in LAYOUTS]
     return [one if r % 2 == 0 else one[::-1] for r in range(repeats + 1)]
 
@@ -354,13 +372,35 @@ def timing(bench: Bench, senders: dict, group, store, src: dict) -> list[dict]: 
                 res = bench.raw_nccl(layout, group, store, src)
             elif op == "raw_ipc":
                 res = bench.raw_ipc(layout, store, src)
-            elif op in ("gather", "gather_pack"):
-                res = {"s": bench.gather(layout, src[layout] if op == "gather_pack" and bench.main else None)}
+            elif op in ("gather", "gather_pack", "gather_all"):
+                res = {"s": bench.gather(layout, src[layout] if op == "gather_pack" and bench.main else None,
+                                         to_main=op != "gather_all")}
             else:
                 res = bench.sync(senders[op], op, layout)
             if bench.main and r > 0:
                 rows.append({"round": r, "op": op, "layout": layout, **res})
     return rows
+
+
+def profile(bench: Bench, senders: dict, src: dict, folder: Path, rank: int) -> None:
+    """Each rank: one more bucketed gather (both kinds), gather + pack and sync of each transport
+    under torch.profiler; kernel times summed by name and a Chrome trace per rank in ``folder``."""
+    from torch.profiler import ProfilerActivity, record_function
+    from torch.profiler import profile as torch_profile
+
+    folder.mkdir(parents=True, exist_ok=True)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if bench.device.type == "cuda" else [])
+    with torch_profile(activities=acts) as prof:
+        for op in ("gather_all", "gather", "gather_pack", *senders):
+            with record_function(f"bench/{op}"):
+                if op in senders:
+                    bench.sync(senders[op], op, "bucketed")
+                else:
+                    bench.gather("bucketed", src["bucketed"] if op == "gather_pack" and bench.main else None,
+                                 to_main=op != "gather_all")
+    sort = "cuda_time_total" if bench.device.type == "cuda" else "cpu_time_total"
+    (folder / f"prof_rank{rank}.txt").write_text(prof.key_averages().table(sort_by=sort, row_limit=40))
+    prof.export_chrome_trace(str(folder / f"trace_rank{rank}.json"))
 
 
 def run(a: argparse.Namespace) -> dict | None:
@@ -412,6 +452,8 @@ def run(a: argparse.Namespace) -> dict | None:
         for layout in LAYOUTS:
             bench.gather(layout, src[layout])
         rows = timing(bench, senders, group, store, src)
+        if a.profile:
+            profile(bench, senders, src, Path(a.profile), info.rank)
         if not main:
             return None
         return {"shape": shape, "world": info.world, "device": torch.cuda.get_device_name(0) if gpu else "cpu",
@@ -452,6 +494,7 @@ def main() -> int:
     p.add_argument("--cpu", action="store_true", help="dry run on CPU: tiny shape, gloo, no IPC")
     p.add_argument("--workdir", default="/tmp/treadle_bench_gpu_ws")
     p.add_argument("--json", default="")
+    p.add_argument("--profile", default="", help="folder: profile one more round of each bucketed op there")
     p.add_argument("--raw", choices=("nccl", "ipc"), help=argparse.SUPPRESS)
     p.add_argument("--ctl-port", type=int, default=0, help=argparse.SUPPRESS)
     a = p.parse_args()

@@ -203,6 +203,42 @@ def test_lora_merged_value_is_pefts_merge_and_the_module_is_untouched(model_b):
     assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
 
 
+class _Partitioned(torch.nn.Parameter):
+    """Stands in for a ZeRO-3 parameter (the attributes ``scatter_views`` reads), no DeepSpeed."""
+
+
+def _zero3_like(full: torch.Tensor, world: int, rank: int) -> torch.Tensor:
+    size = -(-full.numel() // world)  # ZeRO-3: equal pieces, the last one zero-padded
+    padded = torch.cat([full.reshape(-1), full.new_zeros(world * size - full.numel())])
+    p = _Partitioned(torch.empty(0, dtype=full.dtype), requires_grad=False)
+    p.ds_id, p.ds_numel, p.ds_shape = 0, full.numel(), full.shape
+    p.ds_tensor = padded[rank * size:(rank + 1) * size].clone()
+    return p
+
+
+@pytest.mark.parametrize(("world", "mixed"), [(2, False), (3, False), (4, False), (2, True), (3, True)])
+def test_scatter_views_put_every_partition_in_its_packed_place(world, mixed):
+    """The sender's fast path: gathered rows of concatenated partitions (padded last pieces of
+    odd sizes included) copied into the packed bucket equal packing the full tensors, in the
+    sent dtype."""
+    from treadle.rollout.engine.weights import unpack_bucket
+    from treadle.trainer.weights.gather import Item, bucket_bytes, direct, scatter_views
+
+    g = torch.Generator().manual_seed(world)
+    fulls = [torch.randn(shape, generator=g, dtype=torch.float32) for shape in [(7, 5), (3,), (1,), (4, 4), (13,)]]
+    ranks = [[_zero3_like(f, world, r) for f in fulls] for r in range(world)]
+    dtypes = [torch.float32 if mixed and i % 2 else torch.bfloat16 for i in range(len(fulls))]
+    items = [Item(name=f"t{i}", shape=tuple(f.shape), dtype=dt, sources=(ranks[0][i],))
+             for i, (f, dt) in enumerate(zip(fulls, dtypes, strict=True))]
+    assert direct(items)
+    grid = torch.stack([torch.cat([p.ds_tensor for p in ps]) for ps in ranks])  # what gather_grid returns
+    flat = torch.full((bucket_bytes(items) + 16,), 255, dtype=torch.uint8)[:bucket_bytes(items)]
+    torch._foreach_copy_(*scatter_views(items, grid, flat))
+    _, views = unpack_bucket([it.dtype_name for it in items], [it.shape for it in items], flat=flat)
+    for f, v, dt in zip(fulls, views, dtypes, strict=True):
+        assert v.dtype == dt and torch.equal(v, f.to(dt))
+
+
 def test_config_refuses_adapters_and_bad_values():
     from treadle.trainer.weights.sender import SenderConfig
 

@@ -138,20 +138,40 @@ def zero3(a: argparse.Namespace, client, main: bool) -> dict:  # noqa: ANN001
 
 
 def gathers_agree(module: torch.nn.Module) -> bool:
-    """The sender's one-all-gather-a-bucket values equal DeepSpeed's GatheredParameters', bit for
-    bit, for every item (merged LoRA weights included). Collective."""
+    """The sender's one-collective-a-bucket values (an all-gather, and a gather to rank 0 read
+    there) equal DeepSpeed's GatheredParameters', bit for bit, for every item (merged LoRA
+    weights included). Collective."""
+    import torch.distributed as dist
+
     from treadle.rollout.engine.weights import plan_buckets
     from treadle.trainer.weights.gather import gathered, plan
 
     items = plan(module)
     sizes = plan_buckets([it.nbytes for it in items], 64 << 10)
     values = []
-    for coalesce in (True, False):
+    for coalesce, only_first in ((False, False), (True, False), (True, True)):
+        keep = not only_first or dist.get_rank() == 0
         got = {}
-        for lo, hi in gathered(items, sizes, zero3=True, coalesce=coalesce):
-            got.update({it.name: it.value().clone() for it in items[lo:hi]})
+        for lo, hi in gathered(items, sizes, zero3=True, coalesce=coalesce, keep=keep, only_first=only_first):
+            if keep:
+                got.update({it.name: it.value().clone() for it in items[lo:hi]})
         values.append(got)
-    return values[0].keys() == values[1].keys() and all(torch.equal(values[0][k], values[1][k]) for k in values[0])
+    same = [v.keys() == values[0].keys() and all(torch.equal(v[k], values[0][k]) for k in v) for v in values[1:] if v]
+    # the sender's walk: each bucket scattered from the gathered partitions straight into its
+    # packed layout (odd sizes included: ZeRO-3's padded last partition) = packing DeepSpeed's values
+    from treadle.rollout.engine.weights import unpack_bucket
+    from treadle.trainer.weights.gather import bucket_bytes, packed
+
+    main = dist.get_rank() == 0
+    flats = [(lo, hi, f.clone()) for lo, hi, f in packed(
+        items, sizes, lambda lo, hi: torch.full((bucket_bytes(items[lo:hi]) + 8,), 7, dtype=torch.uint8),
+        zero3=True, main=main) if f is not None]
+    if main:
+        for lo, hi, flat in flats:
+            _, views = unpack_bucket([it.dtype_name for it in items[lo:hi]], [it.shape for it in items[lo:hi]], flat=flat)
+            same.append(all(torch.equal(v, values[0][it.name]) for it, v in zip(items[lo:hi], views, strict=True)))
+        same.append(len(flats) == len(sizes))
+    return len(same) == (3 + len(sizes) if main else 1) and all(same)
 
 
 def main() -> int:

@@ -131,10 +131,18 @@ def receive_buckets(group: WeightGroup, names: Sequence[str], dtypes: Sequence[s
     valid after the next bucket arrives. Names in ``skip`` are received (the sender sends them)
     but not yielded.
     """
+    for bucket in receive_bucket_lists(group, names, dtypes, shapes, bucket_sizes, device, skip):
+        yield from bucket
+
+
+def receive_bucket_lists(group: WeightGroup, names: Sequence[str], dtypes: Sequence[str],
+                         shapes: Sequence[Sequence[int]], bucket_sizes: Sequence[int],
+                         device: str = "cpu", skip: frozenset[str] = frozenset(),
+                         ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """``receive_buckets`` a bucket at a time: one list of ``(name, tensor)`` per broadcast (for
+    loaders that copy a bucket's tensors together), the next one received when asked for."""
     for lo, hi in bucket_ranges(bucket_sizes, len(names)):
         flat, parts = unpack_bucket(dtypes[lo:hi], shapes[lo:hi], device=device)
         group.broadcast(flat, src=0)
-        for name, t in zip(names[lo:hi], parts, strict=True):
-            if name not in skip:
-                yield name, t
+        yield [(name, t) for name, t in zip(names[lo:hi], parts, strict=True) if name not in skip]
         del flat  # the parts keep the storage alive as long as the consumer holds them

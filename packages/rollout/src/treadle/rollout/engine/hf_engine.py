@@ -30,7 +30,7 @@ import torch
 from treadle.common.log import get_logger
 from treadle.common.records import FinishReason, GenerateRequest, GenerateResult, WeightUpdate
 from treadle.rollout.engine.base import Engine
-from treadle.rollout.engine.group import GroupSpec, WeightGroup, receive_buckets
+from treadle.rollout.engine.group import GroupSpec, WeightGroup, receive_bucket_lists
 from treadle.rollout.engine.sampling import GREEDY_EPS, mask_stop_tokens, processed_logprobs, sample
 from treadle.rollout.engine.state import SleepState
 from treadle.rollout.engine.weights import (
@@ -322,16 +322,19 @@ class HfEngine(Engine):
     # ------------------------------------------------------------------ weights
 
     @torch.inference_mode()
-    def _copy_in(self, named: Any) -> None:
-        """Copy ``(name, tensor)`` pairs into the model's parameters/buffers (a tied head follows)."""
+    def _copy_in(self, buckets: Any) -> None:
+        """Copy lists of ``(name, tensor)`` pairs into the model's parameters/buffers (a tied head
+        follows), one multi-tensor copy per list (a bucket): a few kernel launches per bucket
+        instead of one per tensor. ``buckets`` may be lazy (buckets still arriving)."""
         params = dict(self.model.named_parameters()) | dict(self.model.named_buffers())
         skip = self.weight_spec.skip
-        for name, t in named:
-            if name not in skip:
-                params[name].copy_(t)
+        for bucket in buckets:
+            pairs = [(params[name], t) for name, t in bucket if name not in skip]
+            if pairs:
+                torch._foreach_copy_([d for d, _ in pairs], [t for _, t in pairs])
 
     async def _load(self, update: WeightUpdate, tensors: list[Any]) -> None:
-        await self._call(self._copy_in, zip(update.names, tensors, strict=True))
+        await self._call(self._copy_in, [list(zip(update.names, tensors, strict=True))])
 
     async def _check_ipc(self, update: WeightUpdate) -> None:
         from treadle.rollout.engine.ipc import check_colocated, loads
@@ -354,14 +357,14 @@ class HfEngine(Engine):
         flats: list[torch.Tensor] = []
         ranges = bucket_ranges(update.bucket_sizes, len(update.names))
 
-        def named() -> Any:
+        def buckets() -> Any:
             for (lo, hi), flat in zip(ranges, flats, strict=True):
                 _, views = unpack_bucket(update.dtypes[lo:hi], update.shapes[lo:hi], flat=flat)
-                yield from zip(update.names[lo:hi], views, strict=True)
+                yield list(zip(update.names[lo:hi], views, strict=True))
 
         try:
             flats.extend(open_handles(update.ipc_handles, self.device))
-            self._copy_in(named())
+            self._copy_in(buckets())
         finally:
             # The copies run asynchronously: they must have read the sender's memory before it is
             # unmapped (the last reference dropped) and before we answer (the sender reuses it).
@@ -377,8 +380,8 @@ class HfEngine(Engine):
 
     def _buckets(self, update: WeightUpdate) -> Any:
         assert self._wgroup is not None
-        return receive_buckets(self._wgroup, update.names, update.dtypes, update.shapes,
-                               update.bucket_sizes, device=str(self.device))
+        return receive_bucket_lists(self._wgroup, update.names, update.dtypes, update.shapes,
+                                    update.bucket_sizes, device=str(self.device))
 
     async def _receive(self, update: WeightUpdate) -> None:
         await self._call(self._copy_in, self._buckets(update))

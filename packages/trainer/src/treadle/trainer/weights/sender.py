@@ -62,7 +62,7 @@ from treadle.trainer.weights.gather import (
     bucket_bytes,
     gathered,
     host_copy,
-    pack,
+    packed,
     plan,
     prompt_logprobs,
 )
@@ -167,6 +167,7 @@ class WeightSender:
         self._buffers: list[torch.Tensor] = []
         self._ipc_buffer: torch.Tensor | None = None
         self._outcomes: Any = False  # the gloo group outcomes are shared over; False: not made yet
+        self._coalesce = config.gather == "coalesced"
         self._closed = False
 
     # ------------------------------------------------------------------ public
@@ -234,8 +235,8 @@ class WeightSender:
         tensors: list[torch.Tensor] = []
         start = time.perf_counter()
         if self._is_main or self._zero3:
-            for lo, hi in gathered(items, sizes, zero3=self._zero3, keep=self._is_main,
-                                  coalesce=self.config.gather == "coalesced"):
+            for lo, hi in gathered(items, sizes, zero3=self._zero3, keep=self._is_main, coalesce=self._coalesce,
+                                   only_first=True):
                 if self._is_main:
                     tensors.extend(host_copy(it) for it in items[lo:hi])
         gather_s, answer, err, send_s = time.perf_counter() - start, None, None, 0.0
@@ -255,14 +256,15 @@ class WeightSender:
         spans: list[tuple[int, int]] = []  # (offset, bytes) of each bucket in the buffer
         start = time.perf_counter()
         if self._is_main or self._zero3:
-            buffer, offset = (self._ipc_buffer_for(items, sizes) if self._is_main else None), 0
-            for lo, hi in gathered(items, sizes, zero3=self._zero3, keep=self._is_main,
-                                  coalesce=self.config.gather == "coalesced"):
-                if self._is_main:
-                    n = bucket_bytes(items[lo:hi])
-                    pack(items[lo:hi], buffer[offset:offset + n])
-                    spans.append((offset, n))
-                    offset += n
+            buffer = self._ipc_buffer_for(items, sizes) if self._is_main else None
+            offsets = dict(zip(bucket_ranges(sizes, len(items)), _running(sizes, items), strict=True))
+
+            def dest(lo: int, hi: int) -> torch.Tensor:
+                spans.append((offsets[lo, hi], bucket_bytes(items[lo:hi])))
+                return buffer[offsets[lo, hi]:]
+
+            for _ in packed(items, sizes, dest, zero3=self._zero3, main=self._is_main, coalesce=self._coalesce):
+                pass
             if self._is_main:  # the engines read the buffer from other processes
                 torch.cuda.current_stream().synchronize()
         gather_s, answer, err, send_s = time.perf_counter() - start, None, None, 0.0
@@ -282,26 +284,28 @@ class WeightSender:
         free buffer for ``transfer``. Returns the seconds spent, waits for a buffer excluded."""
         if not (self._is_main or self._zero3):
             return 0.0
-        start, waited, stopped = time.perf_counter(), 0.0, transfer is None
-        for lo, hi in gathered(items, sizes, zero3=self._zero3, keep=self._is_main,
-                                  coalesce=self.config.gather == "coalesced"):
-            if stopped:  # gather anyway: the other ranks' all-gathers need this rank
-                continue
+        start, waited = time.perf_counter(), 0.0
+        state = {"stopped": transfer is None, "buffer": None}
+
+        def dest(lo: int, hi: int) -> torch.Tensor | None:
+            nonlocal waited
+            if state["stopped"]:  # gather anyway: the other ranks' gathers need this rank
+                return None
             t = time.perf_counter()
-            buffer = transfer.buffer()
+            state["buffer"] = transfer.buffer()
             waited += time.perf_counter() - t
-            if buffer is None:
-                stopped = True
-                continue
-            try:
-                flat = pack(items[lo:hi], buffer)
-                if flat.is_cuda:  # the broadcast runs on another thread: the copies must be done
-                    torch.cuda.current_stream().synchronize()
-                transfer.put(flat, buffer)
-            except Exception as e:
-                log.exception("packing weight bucket [%d, %d) failed", lo, hi)
-                transfer.fail(e)
-                stopped = True
+            state["stopped"] = state["buffer"] is None
+            return state["buffer"]
+
+        def failed(e: Exception) -> None:
+            log.error("packing a weight bucket failed", exc_info=e)
+            transfer.fail(e)
+            state["stopped"] = True
+
+        for _, _, flat in packed(items, sizes, dest, zero3=self._zero3, main=self._is_main, coalesce=self._coalesce,
+                                 on_error=failed):
+            if flat is not None:
+                transfer.put(flat, state["buffer"])  # GPU: the broadcast waits for the copies
         return time.perf_counter() - start - waited
 
     # ------------------------------------------------------------------ rank 0: the daemon
@@ -404,3 +408,12 @@ def _free_port(host: str) -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def _running(sizes: list[int], items: list[Item]) -> list[int]:
+    """Byte offset of each bucket when they lie back to back (the cuda_ipc buffer)."""
+    out, offset = [], 0
+    for lo, hi in bucket_ranges(sizes, len(items)):
+        out.append(offset)
+        offset += bucket_bytes(items[lo:hi])
+    return out

@@ -4,7 +4,11 @@
 accepted, the rollout client runs ``Transfer``'s broadcast loop in its own thread, which sends
 the buckets that rank 0's gather hands over with ``put``. Two buffers circulate between them
 (``buffer`` -> ``put`` -> broadcast -> free again): packing bucket k+1 overlaps broadcasting
-bucket k, and memory stays at two buckets.
+bucket k, and memory stays at two buckets. GPU buffers are handed over with CUDA events, never
+a host wait: the broadcasts run on a stream of their own that waits for the packing's event,
+and a freed buffer carries the event of its broadcast, which the packing stream waits for
+before writing into it again; so gathering and packing the next bucket are never queued behind
+a broadcast, and the host keeps enqueueing.
 
 ``share_outcome`` / ``raise_outcome``: rank 0's result as one integer, all-reduced (max) over
 the trainer's ranks, so that every rank returns or raises alike and none is left waiting in a
@@ -99,10 +103,11 @@ class Transfer:
                  buffers: list[torch.Tensor], mode: str = "wait") -> None:
         self._client, self._update, self._group, self._buckets = client, update, group, buckets
         self._mode = mode
-        self._ready: queue.Queue[tuple[torch.Tensor, torch.Tensor] | None] = queue.Queue()
-        self._free: queue.Queue[torch.Tensor] = queue.Queue()
+        self._ready: queue.Queue[tuple[torch.Tensor, torch.Tensor, Any] | None] = queue.Queue()
+        self._free: queue.Queue[tuple[torch.Tensor, Any]] = queue.Queue()  # (buffer, its broadcast's event)
         for b in buffers:
-            self._free.put(b)
+            self._free.put((b, None))
+        self._stream = torch.cuda.Stream(buffers[0].device) if buffers and buffers[0].is_cuda else None
         self.accepted, self.finished, self.broken = threading.Event(), threading.Event(), threading.Event()
         self.sent, self.send_seconds = 0, 0.0
         self.answer: dict[str, Any] | None = None
@@ -120,17 +125,30 @@ class Transfer:
 
     def _send(self) -> None:
         self.accepted.set()
+        first = None
         try:
             for _ in range(self._buckets):
                 got = self._ready.get()
                 if got is None:
                     raise WeightSyncFailed("gathering stopped before the last bucket")
-                flat, buffer = got
+                flat, buffer, packed = got
                 start = time.perf_counter()
-                self._group.broadcast(flat, src=0)
-                self.send_seconds += time.perf_counter() - start
+                first = first if first is not None else start
+                done = None
+                if self._stream is None:
+                    self._group.broadcast(flat, src=0)  # returns when sent (gloo)
+                    self.send_seconds += time.perf_counter() - start
+                else:
+                    with torch.cuda.stream(self._stream):
+                        self._stream.wait_event(packed)
+                        self._group.broadcast(flat, src=0)  # the stream waits for it; the host does not
+                        done = torch.cuda.Event()
+                        done.record(self._stream)
                 self.sent += 1
-                self._free.put(buffer)
+                self._free.put((buffer, done))
+            if self._stream is not None and first is not None:  # GPU: first hand-over to the last byte sent
+                self._stream.synchronize()
+                self.send_seconds = time.perf_counter() - first
         except BaseException:
             self.broken.set()
             raise
@@ -143,15 +161,24 @@ class Transfer:
         return True
 
     def buffer(self) -> torch.Tensor | None:
-        """A free buffer for the next bucket (waits for a broadcast to finish); None: broken."""
+        """A free buffer for the next bucket; None: broken. A GPU buffer may still be in its
+        broadcast: the caller's stream is made to wait for it (the host does not)."""
         while not self.broken.is_set():
             with contextlib.suppress(queue.Empty):
-                return self._free.get(timeout=0.05)
+                buffer, done = self._free.get(timeout=0.05)
+                if done is not None:
+                    torch.cuda.current_stream(buffer.device).wait_event(done)
+                return buffer
         return None
 
     def put(self, flat: torch.Tensor, buffer: torch.Tensor) -> None:
-        """Hand a packed bucket (``flat``, a view of ``buffer``) to the broadcast."""
-        self._ready.put((flat, buffer))
+        """Hand a packed bucket (``flat``, a view of ``buffer``) to the broadcast; on a GPU the
+        packing may still be running on the caller's stream (the broadcast waits for it)."""
+        packed = None
+        if flat.is_cuda:
+            packed = torch.cuda.Event()
+            packed.record(torch.cuda.current_stream(flat.device))
+        self._ready.put((flat, buffer, packed))
 
     def fail(self, error: BaseException) -> None:
         """Rank 0 could not pack a bucket: stop the broadcast (the engines time out on the rest)."""
