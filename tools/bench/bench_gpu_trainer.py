@@ -148,7 +148,7 @@ def _sft_step(engine: Any, batch: Any, world: int, device: Any, sync: Any = None
     normaliser = all_reduce([float(batch.target_mask.sum())], device)[0]
     engine.train()
     engine.set_gradient_accumulation_boundary(True)
-    loss = nll_loss(Actor(engine)(batch).logprobs, batch.target_mask, normaliser)
+    loss = nll_loss(Actor(engine)(batch, targets_only=True).logprobs, batch.target_mask, normaliser)
     if sync:
         sync()
         split["forward_s"], t0 = time.perf_counter() - t0, time.perf_counter()

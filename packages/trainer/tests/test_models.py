@@ -55,6 +55,43 @@ def test_packed_row_equals_padded_rows(tiny, attn):
     assert torch.allclose(lp_pad.entropy[pad.target_mask], lp_pack.entropy[pack.target_mask], atol=1e-5)
 
 
+@pytest.mark.parametrize("layout", ["packed", "padded", "no_targets"])
+def test_targets_only_equals_the_full_head_at_the_targets(tiny, layout):
+    """``targets_only`` runs the LM head on the target-predicting columns only: log-probs,
+    entropies and the gradients they send into the model equal the full computation's at every
+    target token, and the other tokens read 0."""
+    from treadle.trainer.models.actor import keeps_logits, target_columns
+
+    model = load_causal_lm(str(tiny), FP32, trainable=True)
+    assert keeps_logits(model)
+    samples = _samples()
+    if layout == "no_targets":
+        samples = [Sample(seqs=tuple(TokenSeq.of(list(q.ids), [False] * len(q.ids)) for q in s.seqs), index=s.index)
+                   for s in samples]
+    batch = pad_batch(samples, pad_id=0) if layout == "padded" else pack_batch(samples)
+    cols = target_columns(batch.target_mask)
+    assert cols is not None and cols.numel() < batch.input_ids.shape[1] - 1  # prompts are skipped
+    actor, grads, outs = Actor(model), [], []
+    for only in (False, True):
+        model.zero_grad()
+        out = actor(batch, with_entropy=True, targets_only=only)
+        m = batch.target_mask
+        (out.logprobs[m].sum() + 0.5 * out.entropy[m].sum()).backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+        outs.append(out)
+    full, only = outs
+    m = batch.target_mask
+    assert torch.allclose(only.logprobs[m], full.logprobs[m], atol=1e-5)
+    assert torch.allclose(only.entropy[m], full.entropy[m], atol=1e-5)
+    skipped = torch.ones(batch.input_ids.shape[1], dtype=torch.bool)
+    skipped[cols + 1] = False
+    skipped[1] = skipped[1] and cols.numel() > 0  # no target at all: one column is computed anyway
+    assert skipped.any() and not only.logprobs[:, skipped].any() and not only.entropy[:, skipped].any()
+    assert grads[0].keys() == grads[1].keys()
+    for n in grads[0]:
+        assert torch.allclose(grads[0][n], grads[1][n], atol=1e-5), n
+
+
 def test_packing_without_position_restarts_would_differ(lm):
     """The check above has teeth: the same row with plain positions (one long sequence) differs."""
     samples = _samples()

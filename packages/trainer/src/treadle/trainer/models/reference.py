@@ -41,12 +41,14 @@ class Reference:
             self.module.to("cpu" if self.offload else device)
 
     @torch.no_grad()
-    def logprobs(self, batch: SeqBatch, temperature: float = 1.0) -> Tensor:
-        """[R, T] fp32 log-probs of ``batch``'s tokens at ``temperature`` (aligned, column 0 = 0)."""
+    def logprobs(self, batch: SeqBatch, temperature: float = 1.0, targets_only: bool = False) -> Tensor:
+        """[R, T] fp32 log-probs of ``batch``'s tokens at ``temperature`` (aligned, column 0 = 0);
+        ``targets_only``: at ``batch.target_mask`` tokens only, 0 elsewhere (``forward_logprobs``)."""
         if self.offload:
             self.module.to(self.device)
         try:
-            return forward_logprobs(self.module, batch, ring=self.ring, temperature=temperature).logprobs
+            return forward_logprobs(self.module, batch, ring=self.ring, temperature=temperature,
+                                    targets_only=targets_only).logprobs
         finally:
             if self.offload:
                 self.module.to("cpu")

@@ -101,12 +101,12 @@ def score(exps: Sequence[Experience], b: Batching, *, actor: Any | None, referen
         group = [exps[i] for i in idx]
         ab = collate(group, packing=b.packing, pad_id=b.pad_id, device=b.device)
         if actor is not None:
-            out = Actor(actor, ring=b.ring)(ab.batch, temperature=temperature, with_entropy=True)
+            out = Actor(actor, ring=b.ring)(ab.batch, temperature=temperature, with_entropy=True, targets_only=True)
             _store(group, "old_logp", ab.actions(out.logprobs), ab)
             sums["entropy"] += float(ab.actions(out.entropy).sum())
             sums["tokens"] += float(ab.mask.sum())
         if reference is not None:
-            _store(group, "ref_logp", ab.actions(reference.logprobs(ab.batch, temperature=temperature)), ab)
+            _store(group, "ref_logp", ab.actions(reference.logprobs(ab.batch, temperature=temperature, targets_only=True)), ab)
         if critic is not None:
             _store(group, "values", ab.actions(_shift(token_values(critic, ab.batch, b.ring))), ab)
     return dict(sums)
@@ -140,7 +140,7 @@ def actor_step(engine: Any, exps: Sequence[Experience], b: Batching, loss: Polic
     engine.train()
     for k, idx in enumerate(groups):
         ab = collate([exps[i] for i in idx], packing=b.packing, pad_id=b.pad_id, names=names, device=b.device)
-        out = Actor(engine, ring=b.ring)(ab.batch, temperature=loss.temperature, with_entropy=True)
+        out = Actor(engine, ring=b.ring)(ab.batch, temperature=loss.temperature, with_entropy=True, targets_only=True)
         logp, m = ab.actions(out.logprobs), ab.mask
         old = logp.detach() if on_policy else ab.arrays["old_logp"]
         gap = ((old - ab.arrays["rollout_logp"]).abs() * m)

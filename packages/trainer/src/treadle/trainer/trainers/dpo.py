@@ -42,7 +42,7 @@ class DPOTrainer(SupervisedTrainer):
         return 1.0
 
     def _pairs(self, batch: SeqBatch, split: str) -> dict[str, Tensor]:
-        logprobs = self.actor(batch).logprobs
+        logprobs = self.actor(batch, targets_only=True).logprobs
         policy = sequence_sums(logprobs, batch.target_mask, batch.seq_index, batch.num_seqs)
         ref = self.ref.for_batch(batch, split)
         pc, pr, rc, rr = policy[0::2], policy[1::2], ref[0::2], ref[1::2]

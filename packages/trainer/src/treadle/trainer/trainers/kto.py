@@ -42,7 +42,7 @@ class KTOTrainer(SupervisedTrainer):
         return 1.0
 
     def _rows(self, batch: SeqBatch, group: Sequence[Sample], split: str, weight: Tensor) -> dict[str, Tensor]:
-        logprobs = self.actor(batch).logprobs
+        logprobs = self.actor(batch, targets_only=True).logprobs
         policy = sequence_sums(logprobs, batch.target_mask, batch.seq_index, batch.num_seqs)
         ref = self.ref.for_batch(batch, split)
         gap = (policy[1::2] - ref[1::2]).detach().float()

@@ -35,7 +35,7 @@ Batches = Callable[[Sequence[Sample]], list[tuple[list[Sample], SeqBatch]]]
 
 def reference_sums(ref: Reference, batch: SeqBatch) -> Tensor:
     """``[S]`` sum over each sequence's target tokens of log ref(x_t | x_<t)."""
-    return sequence_sums(ref.logprobs(batch), batch.target_mask, batch.seq_index, batch.num_seqs)
+    return sequence_sums(ref.logprobs(batch, targets_only=True), batch.target_mask, batch.seq_index, batch.num_seqs)
 
 
 class RefLogps:

@@ -51,12 +51,12 @@ class SFTTrainer(SupervisedTrainer):
         return sample.num_targets
 
     def micro_loss(self, batch: SeqBatch, group: Sequence[Sample], normaliser: float) -> tuple[Tensor, dict[str, Tensor]]:
-        out = self.actor(batch)
+        out = self.actor(batch, targets_only=True)
         loss = nll_loss(out.logprobs, batch.target_mask, normaliser)
         return loss, {"loss": loss.detach() * normaliser}
 
     def eval_sums(self, batch: SeqBatch, group: Sequence[Sample]) -> dict[str, Tensor]:
-        out = self.actor(batch)
+        out = self.actor(batch, targets_only=True)
         nll = sequence_sums(-out.logprobs, batch.target_mask, batch.seq_index, batch.num_seqs)
         count = sequence_sums(torch.ones_like(out.logprobs), batch.target_mask, batch.seq_index, batch.num_seqs)
         return {"loss": (nll * batch.sample_weight).sum(), "_n": (count * batch.sample_weight).sum()}
