@@ -23,7 +23,7 @@ for dir in "$@"; do
     esac
   done
 done
-SRC=$PWD/packages/common/src:$PWD/packages/rollout/src:$PWD/packages/rewards/src:$PWD/packages/trainer/src
+SRC=$PWD/packages/common/src:$PWD/packages/rollout/src:$PWD/packages/rewards/src:$PWD/packages/trainer/src:$PWD/tools/testing
 export PYTHONPATH=$SRC:$SITE${PYTHONPATH:+:$PYTHONPATH}
 # NVLink multicast stays off on shared hosts; tool caches stay out of the home folder.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 HF_HUB_OFFLINE=1 \

@@ -8,7 +8,6 @@ subreaper and installs signal handlers, neither of which belongs in the pytest p
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import json
 import subprocess
 import sys
@@ -19,6 +18,7 @@ from typing import Any
 
 import psutil
 import pytest
+from treadle_testing import load_tool
 
 ROOT = Path(__file__).resolve().parents[2]
 CACHE = ROOT / ".cache"
@@ -36,18 +36,10 @@ def reward_func(queries, prompts, labels):
 '''
 
 
-def _tool(name: str) -> Any:
-    spec = importlib.util.spec_from_file_location(f"treadle_tools_{name}", ROOT / "tools" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="session")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny Qwen2 model (seed 0): folder path."""
-    return _tool("tiny_model").build("tiny", tmp_path_factory.mktemp("tiny"), seed=0).out
+    return load_tool("tiny_model").build("tiny", tmp_path_factory.mktemp("tiny"), seed=0).out
 
 
 @pytest.fixture(scope="session")
@@ -157,7 +149,7 @@ def helpers() -> SimpleNamespace:
     """Module-level helpers for test modules (conftest is not importable under importlib mode)."""
     return SimpleNamespace(root=ROOT, cache=CACHE, child_env=child_env, ppo_flags=ppo_flags, launch=launch,
                            run_json=run_json, wait_for=wait_for, descendants=descendants, survivors=survivors,
-                           finish=finish, tool=_tool)
+                           finish=finish, tool=load_tool)
 
 
 @pytest.fixture(autouse=True)

@@ -7,26 +7,13 @@ file names.
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
+from treadle_testing import load_tool
 
 TOOLS = Path(__file__).resolve().parents[1]
-
-
-def load_tool(name: str) -> ModuleType:
-    """tools/<name>.py as a module, loaded once per session."""
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, TOOLS / f"{name}.py")
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module  # before exec: dataclasses look their module up by name
-        spec.loader.exec_module(module)
-    return sys.modules[name]
 
 
 @pytest.fixture(scope="session")

@@ -14,49 +14,30 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import importlib.util
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+from treadle_testing import Loop, free_port, load_by_path, load_tool
 
 ROOT = Path(__file__).resolve().parents[3]
 SRC = [str(ROOT / "packages" / p / "src") for p in ("common", "rollout", "rewards", "agents")]
 HERE = Path(__file__).resolve().parent
 
 
-def load_by_path(name: str, path: Path) -> Any:
-    """A module from a file (tools/ and the tests' helpers are not packages)."""
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    return module
-
-
 def _builder() -> Any:
-    return load_by_path("treadle_agents_tests_tiny_model", ROOT / "tools" / "tiny_model.py")
+    return load_tool("tiny_model")
 
 
 @pytest.fixture(scope="session")
 def warm() -> Any:
     """tests/warm.py: the warm start and the transcript the model learned."""
     return load_by_path("treadle_agents_tests_warm", HERE / "warm.py")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def child_env() -> dict[str, str]:
@@ -78,20 +59,6 @@ def start_daemon() -> Any:
 def subprocess_env() -> dict[str, str]:
     """Environment for child processes that import treadle."""
     return child_env()
-
-
-class Loop:
-    """One event loop for the session, run on the main thread, one coroutine at a time."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-
-    def __call__(self, coro: Any, timeout: float = 120.0) -> Any:
-        return self.loop.run_until_complete(asyncio.wait_for(coro, timeout))
-
-    def close(self) -> None:
-        self.loop.run_until_complete(self.loop.shutdown_asyncgens())
-        self.loop.close()
 
 
 @pytest.fixture(scope="session")

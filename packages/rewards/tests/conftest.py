@@ -8,7 +8,6 @@ driven through real clients, as a trainer would.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import sys
 import textwrap
@@ -17,17 +16,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from treadle_testing import load_tool
 
 ROOT = Path(__file__).resolve().parents[3]
 CAN_NAMESPACE = sys.platform == "linux" and os.geteuid() == 0
-
-
-def _builder() -> Any:
-    spec = importlib.util.spec_from_file_location("treadle_rewards_tests_tiny_model", ROOT / "tools" / "tiny_model.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="session")
@@ -36,7 +28,7 @@ def tiny_rm(tmp_path_factory: pytest.TempPathFactory) -> Path:
     torch = pytest.importorskip("torch")
     from transformers import Qwen2ForSequenceClassification
 
-    tm = _builder()
+    tm = load_tool("tiny_model")
     out = tmp_path_factory.mktemp("tiny_rm")
     tokenizer = tm.wrap_tokenizer(tm.train_tokenizer(tm.PRESETS["tiny"].vocab_size), 2048)
     config = tm.model_config(tm.PRESETS["tiny"], tokenizer)

@@ -8,10 +8,6 @@ weights put the base weights back before they return (``Subject.restore``).
 
 from __future__ import annotations
 
-import asyncio
-import importlib.util
-import socket
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,33 +15,15 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from treadle_testing import Loop, free_port, load_tool
 
 ROOT = Path(__file__).resolve().parents[3]
 MAX_MODEL_LEN = 2048
 
 
 def _builder() -> Any:
-    """tools/tiny_model.py, loaded by path (tools/ is not a package)."""
-    path = ROOT / "tools" / "tiny_model.py"
-    spec = importlib.util.spec_from_file_location("treadle_tools_tiny_model", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    return module
-
-
-class Loop:
-    """One event loop for the session, run on the main thread, one coroutine at a time."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-
-    def __call__(self, coro: Any, timeout: float = 120.0) -> Any:
-        return self.loop.run_until_complete(asyncio.wait_for(coro, timeout))
-
-    def close(self) -> None:
-        self.loop.run_until_complete(self.loop.shutdown_asyncgens())
-        self.loop.close()
+    """tools/tiny_model.py (tools/ is not a package)."""
+    return load_tool("tiny_model")
 
 
 @dataclass
@@ -68,12 +46,6 @@ class Subject:
 
     def restore(self) -> None:
         self.update(self.base)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="session")

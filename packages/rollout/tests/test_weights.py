@@ -7,6 +7,7 @@ import threading
 import numpy as np
 import pytest
 import torch
+from treadle_testing import free_port
 
 from treadle.common.errors import BadRequest
 from treadle.rollout.engine.group import GroupSpec, WeightGroup, receive_buckets, send_buckets
@@ -64,7 +65,7 @@ def test_group_broadcast_delivers_bit_identical_tensors():
     tensors = _mixed()
     dtypes, shapes = [str(t.dtype)[6:] for t in tensors], [list(t.shape) for t in tensors]
     sizes = plan_buckets([t.numel() * t.element_size() for t in tensors], 100)
-    port = _free_port()
+    port = free_port()
     got: list = []
 
     def receiver():
@@ -143,9 +144,3 @@ def test_canary_error():
     assert "2 prompt logprobs" in canary_error(e, e[:2], 1e-3)
 
 
-def _free_port():
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

@@ -7,7 +7,6 @@ pytest process itself, so no process group leaks into other packages' tests.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import random
@@ -18,24 +17,17 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from treadle_testing import load_tool
 
 ROOT = Path(__file__).resolve().parents[3]
 SRC_PATHS = [ROOT / "packages" / p / "src" for p in ("common", "rollout", "rewards", "agents", "trainer")]
 WORDS = ["apple", "banana", "cherry", "delta", "echo", "fox", "golf", "hotel", "india", "juliet", "kilo", "lima", "mango", "nova", "oscar", "papa", "quebec", "romeo", "sierra", "tango"]
 
 
-def _tool(name: str) -> Any:
-    spec = importlib.util.spec_from_file_location(f"treadle_tools_{name}", ROOT / "tools" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="session")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny Qwen2 model (seed 0): folder path."""
-    return _tool("tiny_model").build("tiny", tmp_path_factory.mktemp("tiny"), seed=0).out
+    return load_tool("tiny_model").build("tiny", tmp_path_factory.mktemp("tiny"), seed=0).out
 
 
 @pytest.fixture(scope="session")

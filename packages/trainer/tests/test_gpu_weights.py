@@ -15,13 +15,13 @@ import importlib.util
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from treadle_testing import free_port, load_tool
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[2]
@@ -39,12 +39,6 @@ def child_env() -> dict[str, str]:
     path = os.pathsep.join([*map(str, SRC), *filter(None, [os.environ.get("PYTHONPATH", "")])])
     return env.child_env({"PYTHONPATH": path, "TREADLE_LOG_LEVEL": "WARNING", "HF_HUB_OFFLINE": "1",
                           "TOKENIZERS_PARALLELISM": "false", "NCCL_NVLS_ENABLE": "0"})
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class GpuDaemon:
@@ -76,10 +70,7 @@ class GpuDaemon:
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    spec = importlib.util.spec_from_file_location("treadle_tools_tiny_model", ROOT / "tools" / "tiny_model.py")
-    tiny = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = tiny
-    spec.loader.exec_module(tiny)
+    tiny = load_tool("tiny_model")
     root = tmp_path_factory.mktemp("models")
     return {n: tiny.build("tiny", root / n, seed=s).out for n, s in (("a", 0), ("b", 1))}
 

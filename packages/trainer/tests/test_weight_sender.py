@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import importlib.util
 import json
 import os
 import signal
@@ -28,6 +27,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from treadle_testing import load_by_path, load_tool
 
 from treadle.common.config import ConfigError
 from treadle.common.errors import BadRequest
@@ -39,15 +39,7 @@ CANARY = tuple(range(3, 40))
 TOL = 1e-4
 
 
-def _load(path: Path, name: str) -> Any:
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-scenarios = _load(HERE / "weight_sync_scenarios.py", "treadle_trainer_weight_sync_scenarios")
+scenarios = load_by_path("treadle_trainer_weight_sync_scenarios", HERE / "weight_sync_scenarios.py")
 
 
 class Daemon:
@@ -101,7 +93,7 @@ class CountingClient:
 @pytest.fixture(scope="module")
 def model_b(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Tiny model "b" (seed 1): the trainer's; the daemons serve "a" (the ``tiny`` fixture)."""
-    tiny = _load(ROOT / "tools" / "tiny_model.py", "treadle_tools_tiny_model")
+    tiny = load_tool("tiny_model")
     return tiny.build("tiny", tmp_path_factory.mktemp("tiny_b"), seed=1).out
 
 

@@ -1,0 +1,62 @@
+"""Helpers the test suites share (packages/*/tests, integration/tests, tools/tests).
+
+On pytest's ``pythonpath`` (tools/testing, set in the root pyproject.toml), so any test or
+conftest imports it: ``from treadle_testing import Loop, free_port, load_by_path, load_tool``.
+With ``--import-mode=importlib`` a test cannot import its conftest, and tools/ is not a
+package: before this module each suite carried its own copy of these.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import socket
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+TOOLS = ROOT / "tools"
+
+
+def load_by_path(name: str, path: Path) -> ModuleType:
+    """The module in file ``path``, registered as ``name`` and loaded once per process."""
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, path)
+        if spec is None or spec.loader is None:
+            raise ImportError(f"cannot load {path} as a module")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # before exec: dataclasses look their module up by name
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[name]
+            raise
+    return sys.modules[name]
+
+
+def load_tool(name: str) -> ModuleType:
+    """tools/<name>.py (``tiny_model``, ...) as the module ``name``."""
+    return load_by_path(name, TOOLS / f"{name}.py")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` right now."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class Loop:
+    """One event loop for a test session, run on the main thread, one coroutine at a time."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+
+    def __call__(self, coro: Any, timeout: float = 120.0) -> Any:
+        return self.loop.run_until_complete(asyncio.wait_for(coro, timeout))
+
+    def close(self) -> None:
+        self.loop.run_until_complete(self.loop.shutdown_asyncgens())
+        self.loop.close()
