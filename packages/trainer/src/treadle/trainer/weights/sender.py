@@ -254,6 +254,7 @@ class WeightSender:
     def _sync_ipc(self, version: int, items: list[Item], canary: np.ndarray | None) -> tuple:
         sizes = plan_buckets([it.nbytes for it in items], self.config.bucket_bytes)
         spans: list[tuple[int, int]] = []  # (offset, bytes) of each bucket in the buffer
+        failed: list[Exception] = []  # a packing error: finish the walk (the other ranks' gathers), then fail
         start = time.perf_counter()
         if self._is_main or self._zero3:
             buffer = self._ipc_buffer_for(items, sizes) if self._is_main else None
@@ -263,12 +264,16 @@ class WeightSender:
                 spans.append((offsets[lo, hi], bucket_bytes(items[lo:hi])))
                 return buffer[offsets[lo, hi]:]
 
-            for _ in packed(items, sizes, dest, zero3=self._zero3, main=self._is_main, coalesce=self._coalesce):
+            for _ in packed(items, sizes, dest, zero3=self._zero3, main=self._is_main, coalesce=self._coalesce,
+                            on_error=failed.append):
                 pass
             if self._is_main:  # the engines read the buffer from other processes
                 torch.cuda.current_stream().synchronize()
         gather_s, answer, err, send_s = time.perf_counter() - start, None, None, 0.0
-        if self._is_main:
+        if self._is_main and failed:
+            log.error("packing a weight bucket failed", exc_info=failed[0])
+            err = failed[0]
+        elif self._is_main:
             start = time.perf_counter()
             try:
                 update = self._header(version, items, canary, sizes=sizes, handles=encode_buckets(self._ipc_buffer, spans))
