@@ -298,6 +298,19 @@ def gather_grid(params: Sequence[torch.Tensor], group: Any, *, only_first: bool)
     return grid
 
 
+def start_gather(params: Sequence[torch.Tensor], group: Any) -> tuple[torch.Tensor | None, Any]:
+    """``gather_grid(only_first=True)`` started asynchronously: ``(grid or None, work)``; the grid
+    holds the partitions once ``work.wait()`` returned (on a GPU: once the caller's stream
+    reaches that point)."""
+    import torch.distributed as dist  # noqa: PLC0415
+
+    world, first = _world(group)
+    local = torch.cat([p.ds_tensor.reshape(-1) for p in params])
+    grid = torch.empty(world, local.numel(), dtype=local.dtype, device=local.device) if first else None
+    work = dist.gather(local, list(grid.unbind(0)) if first else None, group=group, group_dst=0, async_op=True)
+    return grid, work
+
+
 def scatter_views(items: Sequence[Item], grid: torch.Tensor, flat: torch.Tensor) -> tuple[list, list]:
     """``(destinations, sources)`` that copy a gathered ``grid`` (``gather_grid`` of the items'
     parameters, in order) into ``flat``, the packed bucket (``bucket_layout``): one contiguous
@@ -352,8 +365,12 @@ def packed(items: Sequence[Item], sizes: Sequence[int], dest: Callable[[int, int
     Under ZeRO-3 the main rank must be the partition group's first rank: every bucket is one
     gather to it. A bucket of ``direct`` items goes from the gathered partitions straight into
     its place in the buffer with one multi-tensor copy (no full tensor is assembled first: on a
-    1.5B model one tensor at a time cost more host time than the transfer itself); other buckets
-    (LoRA merges, 4-bit weights, mixed groups) are gathered with ``gathered`` and ``pack``ed."""
+    1.5B model one tensor at a time cost more host time than the transfer itself), and the next
+    such bucket's gather is started before this one's scatter, so the two overlap (issued in
+    the other order, each gather waited in stream order for the previous scatter: on 2xH200
+    gather + scatter took ~16 ms against ~6-7 ms for the gathers alone; the overlap is not
+    measured there yet). Other buckets (LoRA merges, 4-bit weights, mixed groups) are gathered
+    with ``gathered`` and ``pack``ed."""
     failed = False
 
     def fill(lo: int, hi: int, write: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor | None:
@@ -371,19 +388,32 @@ def packed(items: Sequence[Item], sizes: Sequence[int], dest: Callable[[int, int
             failed = True
             return None
 
-    for lo, hi in bucket_ranges(sizes, len(items)):
-        bucket = items[lo:hi]
+    ranges = list(bucket_ranges(sizes, len(items)))
+
+    @functools.cache
+    def fast(k: int) -> tuple[list[torch.Tensor], Any]:
+        """Bucket k's ZeRO-3 parameters and, when it takes the direct path, their group (else None)."""
+        bucket = items[ranges[k][0]:ranges[k][1]]
         params = _partitioned(bucket) if zero3 else []
-        group = coalescible(params) if params and coalesce and direct(bucket) else None
+        return params, (coalescible(params) if params and coalesce and direct(bucket) else None)
+
+    ahead: tuple[int, torch.Tensor | None, Any] | None = None  # the next bucket's gather, started
+    for k, (lo, hi) in enumerate(ranges):
+        bucket = items[lo:hi]
+        params, group = fast(k)
         if group is None:
             for _ in gathered(bucket, [len(bucket)], zero3=zero3, keep=main, coalesce=coalesce, only_first=True):
                 yield lo, hi, fill(lo, hi, functools.partial(pack, bucket))
             continue
         if main and not _world(group)[1]:
             raise ValueError("the weight sender's main rank must be the first rank of the ZeRO-3 partition group")
-        grid = gather_grid(params, group, only_first=True)
+        grid, work = ahead[1:] if ahead is not None and ahead[0] == k else start_gather(params, group)
+        # Start the next bucket's gather before this one is scattered: the scatter then runs while
+        # that gather is on the wire (in stream order the scatter would otherwise come first).
+        ahead = (k + 1, *start_gather(*fast(k + 1))) if k + 1 < len(ranges) and fast(k + 1)[1] is not None else None
+        work.wait()
         yield lo, hi, fill(lo, hi, functools.partial(_scatter, bucket, grid))
-        del grid
+        del grid, work
 
 
 def _scatter(items: Sequence[Item], grid: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:
