@@ -53,11 +53,6 @@ import torch.distributed as dist
 
 ROOT = Path(__file__).resolve().parents[2]
 
-
-def bucket_ranges(sizes: list[int], n: int) -> list[tuple[int, int]]:
-    from treadle.rollout.engine.weights import bucket_ranges as ranges
-
-    return list(ranges(sizes, n))
 PROBE = list(range(5, 69))
 SHAPE_1P5B = dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
                   num_key_value_heads=2, vocab_size=151936)  # Qwen2.5-1.5B's shape
@@ -214,6 +209,7 @@ class Bench:
         """ZeRO-3 gathers of every bucket as the sender does them (``packed``: one gather to rank 0
         a bucket; with ``buffer``, rank 0 scatters each into its place there) or, ``to_main``
         False, as all-gathers with every full tensor assembled on every rank (``gathered``); seconds."""
+        from treadle.rollout.engine.weights import bucket_ranges
         from treadle.trainer.weights.gather import gathered, pack, packed
 
         self.barrier()

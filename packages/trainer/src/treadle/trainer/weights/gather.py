@@ -286,15 +286,15 @@ def gather_grid(params: Sequence[torch.Tensor], group: Any, *, only_first: bool)
     each flattened parameter, P = ``ds_tensor.numel()`` = ceil(numel / world)."""
     import torch.distributed as dist  # noqa: PLC0415
 
-    world, first = _world(group)
-    local = torch.cat([p.ds_tensor.reshape(-1) for p in params])
-    grid = (torch.empty(world, local.numel(), dtype=local.dtype, device=local.device)
-            if first or not only_first else None)
     if only_first:
-        dist.gather(local, list(grid.unbind(0)) if first else None, group=group, group_dst=0)
-    else:
-        # all_gather_single is all_gather_into_tensor's newer name (the old one warns from torch 2.13)
-        getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(grid.view(-1), local, group=group)
+        grid, work = start_gather(params, group)
+        work.wait()
+        return grid
+    world, _ = _world(group)
+    local = torch.cat([p.ds_tensor.reshape(-1) for p in params])
+    grid = torch.empty(world, local.numel(), dtype=local.dtype, device=local.device)
+    # all_gather_single is all_gather_into_tensor's newer name (the old one warns from torch 2.13)
+    getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(grid.view(-1), local, group=group)
     return grid
 
 
