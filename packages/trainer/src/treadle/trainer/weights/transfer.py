@@ -110,6 +110,7 @@ class Transfer:
         self._stream = torch.cuda.Stream(buffers[0].device) if buffers and buffers[0].is_cuda else None
         self.accepted, self.finished, self.broken = threading.Event(), threading.Event(), threading.Event()
         self.sent, self.send_seconds = 0, 0.0
+        self.sent_at = self.answered_at = 0.0  # perf_counter() at the last byte sent / the daemon's answer
         self.answer: dict[str, Any] | None = None
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._call, name="weight-update", daemon=True)
@@ -121,6 +122,7 @@ class Transfer:
         except Exception as e:
             self.error = self.error or e  # a local failure (``fail``) explains more than its echo
         finally:
+            self.answered_at = time.perf_counter()
             self.finished.set()
 
     def _send(self) -> None:
@@ -149,6 +151,7 @@ class Transfer:
             if self._stream is not None and first is not None:  # GPU: first hand-over to the last byte sent
                 self._stream.synchronize()
                 self.send_seconds = time.perf_counter() - first
+            self.sent_at = time.perf_counter()
         except BaseException:
             self.broken.set()
             raise
