@@ -76,13 +76,15 @@ def cases(cpu: bool) -> list[tuple[str, str, dict]]:
     from treadle.trainer.weights.sender import SenderConfig  # noqa: F401  (fields checked there)
 
     backend = "gloo" if cpu else "nccl"
+    peer = dict(peer_reads=True)  # rank 0 reads rank 1's partitions over CUDA IPC (falls back on CPU)
     out = [("nccl_bucketed", "nccl", dict(backend=backend, bucket_bytes=64 << 10, canary_token_ids=CANARY,
-                                          canary_tolerance=BF16_TOL)),
-           ("nccl_per_tensor", "nccl", dict(backend=backend, bucket_bytes=0))]
+                                          canary_tolerance=BF16_TOL, **peer)),
+           ("nccl_per_tensor", "nccl", dict(backend=backend, bucket_bytes=0, **peer)),
+           ("nccl_gathered", "nccl", dict(backend=backend, bucket_bytes=64 << 10))]  # the default: NCCL gathers
     if not cpu:
         out += [("ipc_bucketed", "ipc", dict(transport="cuda_ipc", bucket_bytes=64 << 10, canary_token_ids=CANARY,
-                                             canary_tolerance=BF16_TOL)),
-                ("ipc_per_tensor", "ipc", dict(transport="cuda_ipc", bucket_bytes=0))]
+                                             canary_tolerance=BF16_TOL, **peer)),
+                ("ipc_per_tensor", "ipc", dict(transport="cuda_ipc", bucket_bytes=0, **peer))]
     return out
 
 
@@ -97,7 +99,8 @@ def run(a: argparse.Namespace, clients: dict, main: bool) -> dict:
             for j in range(2):
                 train_step(engine, 10 * k + j)
                 versions[daemon] += 1
-                rounds.append({"report": report(s.sync(versions[daemon])), **check(engine, client)})
+                r = report(s.sync(versions[daemon]))
+                rounds.append({"report": r, "peer_reads": bool(s._peers and s._peers.active), **check(engine, client)})
         out[name] = rounds
     if not a.cpu:  # IPC to the daemon on the other GPU: refused before anything changes
         client = clients.get("nccl")

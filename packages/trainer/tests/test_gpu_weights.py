@@ -1,7 +1,9 @@
 """On 2 GPUs (``-m gpu``): weight sync from a bf16 ZeRO-3 trainer (2 ranks under torchrun) to
 real ``treadle-rollout serve --backend hf --engine.device cuda`` daemons (bf16, tiny model "a"):
 over NCCL to a daemon on GPU 1, over CUDA IPC to a daemon on GPU 0 (rank 0's GPU), bucketed
-and per tensor, two versions each (``gpu_weight_scenarios.py``). After every sync the daemon's
+and per tensor, two versions each (``gpu_weight_scenarios.py``), rank 0 reading rank 1's
+partitions over CUDA IPC (``weights.peers``), and once more gathering them over NCCL (peer
+reads off). After every sync the daemon's
 weights are bit-identical to the trainer's (digests) and its prompt logprobs match the
 trainer's own forward; a cuda_ipc update to the daemon on the other GPU is refused.
 
@@ -96,10 +98,12 @@ def test_zero3_weights_reach_gpu_daemons_bit_identical_over_nccl_and_ipc(daemons
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     main = results[0]
     print(json.dumps({k: v for k, v in main.items() if k != "world"}, indent=None))
-    for name in ("nccl_bucketed", "nccl_per_tensor", "ipc_bucketed", "ipc_per_tensor"):
+    for name in ("nccl_bucketed", "nccl_per_tensor", "nccl_gathered", "ipc_bucketed", "ipc_per_tensor"):
         first, second = main[name]
         for r in (first, second):
             assert r["digest_ok"] and r["gap"] <= BF16_TOL, (name, r)
+            # rank 0 read rank 1's partitions over CUDA IPC, except where told to gather over NCCL
+            assert all(res[name][i]["peer_reads"] == (name != "nccl_gathered") for res in results for i in (0, 1))
             assert r["report"]["updated"] == ["e0"] and r["version"] == r["report"]["version"], (name, r)
         assert second["version"] == first["version"] + 1
     assert main["nccl_bucketed"][0]["report"]["buckets"] > 1 and main["ipc_per_tensor"][0]["report"]["buckets"] == 26

@@ -161,17 +161,22 @@ def gathers_agree(module: torch.nn.Module) -> bool:
     # packed layout (odd sizes included: ZeRO-3's padded last partition) = packing DeepSpeed's values
     from treadle.rollout.engine.weights import unpack_bucket
     from treadle.trainer.weights.gather import bucket_bytes, packed
+    from treadle.trainer.weights.peers import PeerReads
 
     main = dist.get_rank() == 0
+    # peer reads on CPU: no rank can share its partitions over CUDA IPC, so every rank falls back
+    # to the gathers alike (the walk below would hang otherwise) and the bytes are the same
+    peers = PeerReads(None)
     flats = [(lo, hi, f.clone()) for lo, hi, f in packed(
         items, sizes, lambda lo, hi: torch.full((bucket_bytes(items[lo:hi]) + 8,), 7, dtype=torch.uint8),
-        zero3=True, main=main) if f is not None]
+        zero3=True, main=main, peers=peers) if f is not None]
+    same.append(not peers.active)
     if main:
         for lo, hi, flat in flats:
             _, views = unpack_bucket([it.dtype_name for it in items[lo:hi]], [it.shape for it in items[lo:hi]], flat=flat)
             same.append(all(torch.equal(v, values[0][it.name]) for it, v in zip(items[lo:hi], views, strict=True)))
         same.append(len(flats) == len(sizes))
-    return len(same) == (3 + len(sizes) if main else 1) and all(same)
+    return len(same) == (4 + len(sizes) if main else 2) and all(same)
 
 
 def main() -> int:

@@ -40,13 +40,16 @@ import contextlib
 import functools
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from treadle.common.config import ConfigError
 from treadle.rollout.engine.weights import bucket_layout, bucket_ranges, unpack_bucket
+
+if TYPE_CHECKING:
+    from treadle.trainer.weights.peers import PeerReads
 
 _WRAPPERS = ("module.", "base_model.model.")  # DeepSpeed / DDP, peft's PeftModel + LoraModel
 
@@ -354,8 +357,8 @@ def direct(items: Sequence[Item]) -> bool:
 
 
 def packed(items: Sequence[Item], sizes: Sequence[int], dest: Callable[[int, int], torch.Tensor | None], *,
-           zero3: bool, main: bool, coalesce: bool = True,
-           on_error: Callable[[Exception], None] | None = None) -> Iterator[tuple[int, int, torch.Tensor | None]]:
+           zero3: bool, main: bool, coalesce: bool = True, on_error: Callable[[Exception], None] | None = None,
+           peers: PeerReads | None = None) -> Iterator[tuple[int, int, torch.Tensor | None]]:
     """Walk the buckets (collective under ZeRO-3, like ``gathered``) and pack each on the main
     rank into ``dest(lo, hi)``, a flat uint8 buffer of at least ``bucket_bytes`` (None: skip the
     packing, still take part in the gathers); yields ``(lo, hi, packed bucket or None)``. A
@@ -370,7 +373,12 @@ def packed(items: Sequence[Item], sizes: Sequence[int], dest: Callable[[int, int
     the other order, each gather waited in stream order for the previous scatter: on 2xH200
     gather + scatter took ~16 ms against ~6-7 ms for the gathers alone; the overlap is not
     measured there yet). Other buckets (LoRA merges, 4-bit weights, mixed groups) are gathered
-    with ``gathered`` and ``pack``ed."""
+    with ``gathered`` and ``pack``ed.
+
+    ``peers`` (every rank passes one, or none): when ``PeerReads.prepare`` agrees, the main rank
+    reads the ``direct`` buckets' partitions of the other ranks itself (no gather, no work on
+    their GPUs; the other ranks skip those buckets) and returns from the walk once its reads
+    are done."""
     failed = False
 
     def fill(lo: int, hi: int, write: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor | None:
@@ -397,6 +405,7 @@ def packed(items: Sequence[Item], sizes: Sequence[int], dest: Callable[[int, int
         params = _partitioned(bucket) if zero3 else []
         return params, (coalescible(params) if params and coalesce and direct(bucket) else None)
 
+    pull = peers is not None and _pulls(peers, [fast(k) for k in range(len(ranges))], main)
     ahead: tuple[int, torch.Tensor | None, Any] | None = None  # the next bucket's gather, started
     for k, (lo, hi) in enumerate(ranges):
         bucket = items[lo:hi]
@@ -407,6 +416,9 @@ def packed(items: Sequence[Item], sizes: Sequence[int], dest: Callable[[int, int
             continue
         if main and not _world(group)[1]:
             raise ValueError("the weight sender's main rank must be the first rank of the ZeRO-3 partition group")
+        if pull:
+            yield lo, hi, fill(lo, hi, functools.partial(_pulled, bucket, params, peers))
+            continue
         grid, work = ahead[1:] if ahead is not None and ahead[0] == k else start_gather(params, group)
         # Start the next bucket's gather before this one is scattered: the scatter then runs while
         # that gather is on the wire (in stream order the scatter would otherwise come first).
@@ -414,6 +426,31 @@ def packed(items: Sequence[Item], sizes: Sequence[int], dest: Callable[[int, int
         work.wait()
         yield lo, hi, fill(lo, hi, functools.partial(_scatter, bucket, grid))
         del grid, work
+    if pull and main:  # the other ranks may change their partitions once the walk is over
+        torch.cuda.current_stream().synchronize()
+
+
+def _pulls(peers: PeerReads, buckets: list[tuple[list[torch.Tensor], Any]], main: bool) -> bool:
+    """Whether the main rank reads the direct buckets' partitions itself (``PeerReads.prepare``,
+    a collective: every rank calls it alike); only with other ranks, and when every such bucket
+    is partitioned over all of them (the shares are exchanged over all ranks)."""
+    import torch.distributed as dist  # noqa: PLC0415
+
+    params = [p for ps, group in buckets if group is not None for p in ps]
+    if not params or dist.get_world_size() < 2 or any(_world(group)[0] != dist.get_world_size() for _, group in buckets if group is not None):
+        return False
+    return peers.prepare(params, main=main)
+
+
+def _pulled(items: Sequence[Item], params: list[torch.Tensor], peers: PeerReads, buffer: torch.Tensor) -> torch.Tensor:
+    """``_scatter`` of the partitions ``peers`` read, its views made once per grid and buffer."""
+    grid, flat = peers.grid(params), buffer[:bucket_bytes(items)]
+    # keyed by what fixes the layout: the parameters (kept objects; Items are new at every sync),
+    # their sent dtypes, the grid and the buffer
+    key = ("scatter", grid.data_ptr(), flat.data_ptr(), tuple((id(it.sources[0]), it.dtype) for it in items))
+    dst, src = peers.memo(key, lambda: scatter_views(items, grid, flat))
+    torch._foreach_copy_(dst, src)
+    return flat
 
 
 def _scatter(items: Sequence[Item], grid: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:

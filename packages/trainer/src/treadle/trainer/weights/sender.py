@@ -66,6 +66,7 @@ from treadle.trainer.weights.gather import (
     plan,
     prompt_logprobs,
 )
+from treadle.trainer.weights.peers import PeerReads
 from treadle.trainer.weights.transfer import (
     Transfer,
     WeightSyncFailed,
@@ -102,6 +103,10 @@ class SenderConfig:
     canary_tolerance: float | None = None  # None: 1e-3, or 0.1 when ``dtype`` narrows the trainer's
     mode: Literal["wait", "abort"] = "wait"  # in-flight samples: finish on the old weights, or stop now
     # (partial rollout: the agents' sampler resumes them on the new weights)
+    peer_reads: bool = False  # ZeRO-3 on GPUs of one host: rank 0 copies the other ranks' partitions
+    # itself over CUDA IPC (its copy engine; nothing runs on their GPUs) instead of NCCL gathers;
+    # falls back to the gathers, saying why, where it cannot (``weights.peers``). Off by default:
+    # faster on the GPU, not yet end to end on 2xH200 (host-bound; docs/benchmarks.md)
 
     def __post_init__(self) -> None:
         if self.transport not in ("collective", "inline", "cuda_ipc"):
@@ -138,6 +143,8 @@ class SyncReport:
     seconds: float  # the whole sync, canary included
     gather_seconds: float  # gathering and packing (waits for a free buffer excluded)
     send_seconds: float  # broadcasting (collective) or the inline request; 0 on ranks > 0
+    accept_seconds: float = 0.0  # collective, rank 0: announcing the update until the daemon accepted it
+    answer_seconds: float = 0.0  # collective, rank 0: the last byte sent until the daemon's answer (its load)
     updated: list[str]  # engine ids that loaded the version (rank 0; empty elsewhere)
     failed: list[str]  # engine ids that did not (rank 0; empty elsewhere)
 
@@ -167,6 +174,7 @@ class WeightSender:
         self._buffers: list[torch.Tensor] = []
         self._ipc_buffer: torch.Tensor | None = None
         self._outcomes: Any = False  # the gloo group outcomes are shared over; False: not made yet
+        self._peers: PeerReads | None = None
         self._coalesce = config.gather == "coalesced"
         self._closed = False
 
@@ -180,17 +188,18 @@ class WeightSender:
         items = plan(self._module, self._dtype)
         canary = self._canary()
         run = {"inline": self._sync_inline, "cuda_ipc": self._sync_ipc}.get(self.config.transport, self._sync_collective)
-        answer, buckets, gather_s, send_s = run(version, items, canary)
+        answer, buckets, gather_s, send_s, *phases = run(version, items, canary)
         answer = answer or {}
         report = SyncReport(version=version, tensors=len(items), bytes=sum(it.nbytes for it in items),
                             buckets=buckets, seconds=time.perf_counter() - start, gather_seconds=gather_s,
-                            send_seconds=send_s, updated=list(answer.get("updated", [])),
+                            send_seconds=send_s, **(phases[0] if phases else {}), updated=list(answer.get("updated", [])),
                             failed=sorted(answer.get("failed", {})))
         if self._is_main:
             log.info("weights sent", extra={"fields": {
                 "version": version, "tensors": report.tensors, "mb": round(report.bytes / 1e6, 1),
                 "buckets": buckets, "s": round(report.seconds, 3), "gather_s": round(gather_s, 3),
-                "send_s": round(send_s, 3), "updated": report.updated, "failed": report.failed}})
+                "send_s": round(send_s, 3), "accept_s": round(report.accept_seconds, 3),
+                "answer_s": round(report.answer_seconds, 3), "updated": report.updated, "failed": report.failed}})
         return report
 
     def close(self) -> None:
@@ -203,6 +212,8 @@ class WeightSender:
                 self._client.leave_weight_group()
         self._drop_group()
         self._buffers, self._ipc_buffer = [], None
+        if self._peers is not None:
+            self._peers.close()
 
     def __enter__(self) -> WeightSender:
         return self
@@ -214,12 +225,13 @@ class WeightSender:
 
     def _sync_collective(self, version: int, items: list[Item], canary: np.ndarray | None) -> tuple:
         sizes = plan_buckets([it.nbytes for it in items], self.config.bucket_bytes)
-        transfer, err = None, None
+        transfer, err, opened = None, None, time.perf_counter()
         if self._is_main:
             try:
                 transfer = self._open(version, items, sizes, canary)
             except Exception as e:
                 err = e
+        opened = time.perf_counter() - opened
         raise_outcome(self._share(err), err, version)  # a refusal: nothing gathered anywhere
         gather_s = self._produce(items, sizes, transfer)
         answer = None
@@ -228,7 +240,10 @@ class WeightSender:
             if transfer.sent < len(sizes):  # the members are out of step: rebuild before the next
                 self._drop_group()
         raise_outcome(self._share(err), err, version)
-        return answer, len(sizes), gather_s, transfer.send_seconds if transfer is not None else 0.0
+        if transfer is None:
+            return answer, len(sizes), gather_s, 0.0
+        return answer, len(sizes), gather_s, transfer.send_seconds, {
+            "accept_seconds": opened, "answer_seconds": max(0.0, transfer.answered_at - transfer.sent_at)}
 
     def _sync_inline(self, version: int, items: list[Item], canary: np.ndarray | None) -> tuple:
         sizes = plan_buckets([it.nbytes for it in items], self.config.bucket_bytes)
@@ -265,7 +280,7 @@ class WeightSender:
                 return buffer[offsets[lo, hi]:]
 
             for _ in packed(items, sizes, dest, zero3=self._zero3, main=self._is_main, coalesce=self._coalesce,
-                            on_error=failed.append):
+                            on_error=failed.append, peers=self._peer_reads()):
                 pass
             if self._is_main:  # the engines read the buffer from other processes
                 torch.cuda.current_stream().synchronize()
@@ -308,7 +323,7 @@ class WeightSender:
             state["stopped"] = True
 
         for _, _, flat in packed(items, sizes, dest, zero3=self._zero3, main=self._is_main, coalesce=self._coalesce,
-                                 on_error=failed):
+                                 on_error=failed, peers=self._peer_reads()):
             if flat is not None:
                 transfer.put(flat, state["buffer"])  # GPU: the broadcast waits for the copies
         return time.perf_counter() - start - waited
@@ -373,9 +388,21 @@ class WeightSender:
 
     def _share(self, err: BaseException | None) -> int:
         """``share_outcome`` over a CPU group, made at the first sync (every rank is there)."""
+        return share_outcome(err, self._cpu_group())
+
+    def _cpu_group(self) -> Any:
+        """``outcome_group()``, made once (a collective: at a sync, where every rank is)."""
         if self._outcomes is False:
             self._outcomes = outcome_group()
-        return share_outcome(err, self._outcomes)
+        return self._outcomes
+
+    def _peer_reads(self) -> PeerReads | None:
+        """The ``PeerReads`` of this sender when it may use them (the same on every rank)."""
+        if not (self.config.peer_reads and self._zero3 and self._coalesce and self._device.type == "cuda"):
+            return None
+        if self._peers is None and self._cpu_group() is not None:
+            self._peers = PeerReads(self._outcomes)
+        return self._peers
 
     def _ipc_buffer_for(self, items: list[Item], sizes: list[int]) -> torch.Tensor:
         """One GPU buffer holding every bucket back to back (kept for the next sync)."""
