@@ -193,8 +193,9 @@ class Bench:
                 out.append(bucket_bytes(self.items[lo:lo + s]))
                 lo += s
             self.layout_bytes[name] = out
-        self.versions = {"nccl": 0, "ipc": 0}
+        self.versions = {"nccl": 0, "ipc": 0}  # per daemon
         self.raw_k = {"nccl": 0, "ipc": 0}
+        self.peers = None  # GPU: a PeerReads for the pull_pack op
 
     def barrier(self) -> None:
         dist.barrier(group=self.cpu_group)
@@ -205,10 +206,11 @@ class Bench:
 
     # -- gathering
 
-    def gather(self, layout: str, buffer: torch.Tensor | None, to_main: bool = True) -> float:
+    def gather(self, layout: str, buffer: torch.Tensor | None, to_main: bool = True, peers=None) -> float:  # noqa: ANN001
         """ZeRO-3 gathers of every bucket as the sender does them (``packed``: one gather to rank 0
-        a bucket; with ``buffer``, rank 0 scatters each into its place there) or, ``to_main``
-        False, as all-gathers with every full tensor assembled on every rank (``gathered``); seconds."""
+        a bucket, or with ``peers`` rank 0's own reads of the other ranks' partitions; with
+        ``buffer``, rank 0 scatters each into its place there) or, ``to_main`` False, as
+        all-gathers with every full tensor assembled on every rank (``gathered``); seconds."""
         from treadle.rollout.engine.weights import bucket_ranges
         from treadle.trainer.weights.gather import gathered, pack, packed
 
@@ -222,7 +224,7 @@ class Bench:
             def dest(lo: int, hi: int) -> torch.Tensor | None:
                 return buffer[offsets[lo]:] if buffer is not None and self.main else None
 
-            for _ in packed(self.items, self.sizes[layout], dest, zero3=True, main=self.main):
+            for _ in packed(self.items, self.sizes[layout], dest, zero3=True, main=self.main, peers=peers):
                 pass
         else:
             for lo, hi in gathered(self.items, self.sizes[layout], zero3=True):
@@ -252,14 +254,18 @@ class Bench:
 
     # -- a treadle sync
 
-    def sync(self, sender, transport: str, layout: str) -> dict:  # noqa: ANN001
-        sender.config = dataclasses.replace(sender.config, bucket_bytes=self.bucket_bytes[layout])
-        self.versions[transport] += 1
+    def sync(self, sender, name: str, layout: str) -> dict:  # noqa: ANN001
+        """``name``: the daemon, or with ``_peer`` the same sender with peer reads on (rank 0 reads
+        rank 1's partitions over CUDA IPC instead of NCCL gathers)."""
+        daemon = name.split("_")[0]
+        sender.config = dataclasses.replace(sender.config, bucket_bytes=self.bucket_bytes[layout],
+                                            peer_reads=name.endswith("_peer"))
+        self.versions[daemon] += 1
         self.barrier()
         start = time.perf_counter()
-        r = sender.sync(self.versions[transport])
+        r = sender.sync(self.versions[daemon])
         return {"s": time.perf_counter() - start, "gather_s": r.gather_seconds, "send_s": r.send_seconds,
-                "buckets": r.buckets}
+                "accept_s": r.accept_seconds, "answer_s": r.answer_seconds, "buckets": r.buckets}
 
     # -- raw transfers (rank 0 and a raw receiver; the other ranks wait)
 
@@ -296,9 +302,12 @@ class Bench:
 
 
 def schedule(repeats: int, ipc: bool) -> list[list[tuple[str, str]]]:
-    """Rounds of (op, layout); round 0 is the warm-up; every other round runs reversed."""
-    ops = ["raw_nccl", "gather_all", "gather", "gather_pack", "nccl"] + (["raw_ipc", "ipc"] if ipc else [])
-    one = [(op, layout) for op in ops for layout in LAYOUTS]
+    """Rounds of (op, layout); round 0 is the warm-up; every other round runs reversed. The
+    ``_peer`` syncs (peer reads on) and ``pull_pack`` run bucketed only."""
+    ops = ["raw_nccl", "gather_all", "gather", "gather_pack", "nccl"] + (
+        ["pull_pack", "nccl_peer", "raw_ipc", "ipc", "ipc_peer"] if ipc else [])
+    one = [(op, layout) for op in ops for layout in LAYOUTS
+           if layout == "bucketed" or not (op.endswith("_peer") or op == "pull_pack")]
     return [one if r % 2 == 0 else one[::-1] for r in range(repeats + 1)]
 
 
@@ -320,18 +329,20 @@ def write_model(shape: dict, folder: Path, device: torch.device) -> None:
 
 
 def correctness(bench: Bench, senders: dict, clients: dict) -> dict:
-    """Bucketed then (after changing one tensor) per-tensor syncs: digests and logprobs."""
+    """Bucketed then (after changing one tensor) per-tensor syncs, each by NCCL gathers and (GPU)
+    by peer reads: digests after each, then logprobs."""
     out: dict = {}
     for layout in LAYOUTS:
         if layout == "per_tensor":
             bench.perturb()
         want = bench.digest()
         for transport, sender in senders.items():
-            r = bench.sync(sender, transport, layout)
-            if bench.main:
-                got = list(clients[transport].weight_digest().values())
-                out[f"{transport}_{layout}"] = {"digest_ok": got == [want], "first_sync_s": r["s"],
-                                                "buckets": r["buckets"]}
+            for name in (transport, *((f"{transport}_peer",) if bench.peers else ())):  # gathers, peer reads
+                r = bench.sync(sender, name, layout)
+                if bench.main:
+                    got = list(clients[transport].weight_digest().values())
+                    out[f"{name}_{layout}"] = {"digest_ok": got == [want], "first_sync_s": r["s"],
+                                               "buckets": r["buckets"]}
     mine = bench.own_logprobs()
     for transport, client in clients.items():
         got = torch.tensor(client.prompt_logprobs(torch.as_tensor(PROBE).numpy()).copy(), dtype=torch.float64)
@@ -343,12 +354,12 @@ def summarise(rows: list[dict], bench: Bench) -> dict:
     med = {}
     for key in {(r["op"], r["layout"]) for r in rows}:
         sel = [r for r in rows if (r["op"], r["layout"]) == key]
-        med[f"{key[0]}/{key[1]}"] = {k: statistics.median(r[k] for r in sel) for k in ("s", "gather_s", "send_s")
-                                     if k in sel[0]}
+        med[f"{key[0]}/{key[1]}"] = {k: statistics.median(r[k] for r in sel)
+                                     for k in ("s", "gather_s", "send_s", "accept_s", "answer_s") if k in sel[0]}
     ratios = {}
-    for t in ("nccl", "ipc"):
+    for t in ("nccl", "ipc", "nccl_peer", "ipc_peer"):
         for layout in LAYOUTS:
-            e2e, raw = med.get(f"{t}/{layout}"), med.get(f"raw_{t}/{layout}")
+            e2e, raw = med.get(f"{t}/{layout}"), med.get(f"raw_{t.split('_')[0]}/{layout}")
             if e2e is None or raw is None:
                 continue
             floor = med[f"gather_pack/{layout}"]["s"] + raw["s"]
@@ -368,11 +379,11 @@ def timing(bench: Bench, senders: dict, group, store, src: dict) -> list[dict]: 
                 res = bench.raw_nccl(layout, group, store, src)
             elif op == "raw_ipc":
                 res = bench.raw_ipc(layout, store, src)
-            elif op in ("gather", "gather_pack", "gather_all"):
-                res = {"s": bench.gather(layout, src[layout] if op == "gather_pack" and bench.main else None,
-                                         to_main=op != "gather_all")}
+            elif op in ("gather", "gather_pack", "gather_all", "pull_pack"):
+                res = {"s": bench.gather(layout, src[layout] if op.endswith("_pack") and bench.main else None,
+                                         to_main=op != "gather_all", peers=bench.peers if op == "pull_pack" else None)}
             else:
-                res = bench.sync(senders[op], op, layout)
+                res = bench.sync(senders[op.split("_")[0]], op, layout)
             if bench.main and r > 0:
                 rows.append({"round": r, "op": op, "layout": layout, **res})
     return rows
@@ -387,13 +398,14 @@ def profile(bench: Bench, senders: dict, src: dict, folder: Path, rank: int) -> 
     folder.mkdir(parents=True, exist_ok=True)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if bench.device.type == "cuda" else [])
     with torch_profile(activities=acts) as prof:
-        for op in ("gather_all", "gather", "gather_pack", *senders):
+        syncs = [f"{name}{kind}" for name in senders for kind in ("", *(("_peer",) if bench.peers else ()))]
+        for op in ("gather_all", "gather", "gather_pack", *(("pull_pack",) if bench.peers else ()), *syncs):
             with record_function(f"bench/{op}"):
-                if op in senders:
-                    bench.sync(senders[op], op, "bucketed")
+                if op in syncs:
+                    bench.sync(senders[op.split("_")[0]], op, "bucketed")
                 else:
-                    bench.gather("bucketed", src["bucketed"] if op == "gather_pack" and bench.main else None,
-                                 to_main=op != "gather_all")
+                    bench.gather("bucketed", src["bucketed"] if op.endswith("_pack") and bench.main else None,
+                                 to_main=op != "gather_all", peers=bench.peers if op == "pull_pack" else None)
     sort = "cuda_time_total" if bench.device.type == "cuda" else "cpu_time_total"
     (folder / f"prof_rank{rank}.txt").write_text(prof.key_averages().table(sort_by=sort, row_limit=40))
     prof.export_chrome_trace(str(folder / f"trace_rank{rank}.json"))
@@ -403,7 +415,9 @@ def run(a: argparse.Namespace) -> dict | None:
     from treadle.rollout.client import SyncRolloutClient
     from treadle.rollout.engine.group import GroupSpec, WeightGroup
     from treadle.trainer.strategy.deepspeed import init_distributed
+    from treadle.trainer.weights.peers import PeerReads
     from treadle.trainer.weights.sender import SenderConfig, WeightSender
+    from treadle.trainer.weights.transfer import outcome_group
 
     info = init_distributed()
     main, device, gpu = info.is_main, info.device, info.device.type == "cuda"
@@ -442,7 +456,8 @@ def run(a: argparse.Namespace) -> dict | None:
             senders["ipc"] = WeightSender(engine, config=SenderConfig(transport="cuda_ipc", bucket_bytes=bucket,
                                                                       dtype="bfloat16"),
                                           client=clients.get("ipc"), zero_stage=3, is_main=main)
-        checks = correctness(bench, senders, clients if main else {})
+            bench.peers = PeerReads(outcome_group())
+        checks = correctness(bench, {k: senders[k] for k in ("nccl", "ipc") if k in senders}, clients if main else {})
         src = {k: torch.empty(sum(v), dtype=torch.uint8, device=device) if main else None
                for k, v in bench.layout_bytes.items()}
         for layout in LAYOUTS:
@@ -472,10 +487,11 @@ def run(a: argparse.Namespace) -> dict | None:
 def report_lines(res: dict) -> list[str]:
     lines = [f"{res['tensors']} tensors, {res['bytes'] / 1e9:.2f} GB bf16, buckets {res['buckets']}",
              f"correctness: {json.dumps(res['correctness'])}",
-             f"{'op/layout (median ms)':<24}{'total':>10}{'gather':>10}{'send':>10}"]
+             f"{'op/layout (median ms)':<24}{'total':>10}{'gather':>10}{'send':>10}{'accept':>10}{'answer':>10}"]
     for k in sorted(res["medians_s"]):
         m = res["medians_s"][k]
-        lines.append(f"{k:<24}{m['s'] * 1e3:>10.1f}{m.get('gather_s', 0) * 1e3:>10.1f}{m.get('send_s', 0) * 1e3:>10.1f}")
+        lines.append(f"{k:<24}" + "".join(f"{m.get(f, 0) * 1e3:>10.1f}"
+                                           for f in ("s", "gather_s", "send_s", "accept_s", "answer_s")))
     for k, r in res["ratios"].items():
         lines.append(f"{k}: end-to-end/raw {r['end_to_end_vs_raw']:.2f}x, transfer/raw {r['transfer_vs_raw']:.2f}x, "
                      f"end-to-end/(gather+pack + raw) {r['end_to_end_vs_gather_pack_plus_raw']:.2f}x")
