@@ -310,6 +310,21 @@ def test_stale_group_is_rejoined_and_the_update_resent(daemon, model_b):
     assert daemon.client.health()["version"] == v + 3
 
 
+def test_two_senders_take_turns_on_one_daemon(daemon, model_b):
+    """Each join replaces the daemon's group (the other sender's is left); the sender whose group
+    was replaced is told so at its next update and rejoins; every update arrives whole."""
+    model, first, second = causal_lm(model_b), CountingClient(daemon.client), CountingClient(daemon.client)
+    v = daemon.next_version()
+    with sender(model, first, bucket_bytes=64 << 10) as a, sender(model, second, bucket_bytes=64 << 10) as b:
+        for k, (s, who) in enumerate([(a, first), (b, second), (a, first), (b, second)]):
+            with torch.no_grad():
+                model.model.norm.weight.add_(0.25)  # news at every update
+            assert s.sync(v + k).updated == ["e0"], k
+            assert list(daemon.client.weight_digest().values()) == [scenarios.hf_digest(checkpoint_state(model), True)]
+        assert (first.joins, second.joins) == (2, 2)
+    assert daemon.client.health()["version"] == v + 3
+
+
 def test_name_mismatch_is_a_typed_error_and_the_sender_stays_usable(daemon, model_b):
     model, counting = causal_lm(model_b), CountingClient(daemon.client)
     v = daemon.next_version()

@@ -21,7 +21,9 @@ no work) until the sender, told the group is stale, rebuilds it and sends the ne
 Membership: a group has fixed ranks, so any change (an engine added, removed, died or
 restarted) makes it stale; the next collective update then fails at once with
 ``WeightGroupStale`` (before ``accepted``: nothing was broadcast), telling the sender to
-rebuild it with ``join`` and resend.
+rebuild it with ``join`` and resend. So does an update that names another group than the
+pool's (its store's ``host:port``): a second sender joined since, and the first one's
+broadcasts would go where no engine listens.
 
 Canary: engines check the update's canary themselves; one whose logprobs differ is
 quarantined (no work) and the updater gets ``EnginesQuarantined`` naming it, while the engines
@@ -65,6 +67,11 @@ class Group:
     keeper_rank: int  # the front end's rank; -1: not a member
     epoch: int  # the pool's membership epoch when the group was built
     keeper: Any = field(default=None, repr=False)  # the front end's WeightGroup
+
+
+def _endpoint(spec: dict[str, Any]) -> str:
+    """``host:port`` of a group's store (the sender's): what tells two groups apart."""
+    return f"{spec.get('host')}:{spec.get('port')}"
 
 
 def _is_canary(exc: BaseException) -> bool:
@@ -152,6 +159,12 @@ class WeightCoordinator:
             if self.stale_reason():
                 raise tagged(WeightGroupStale, f"{self.stale_reason()}. Close the sender's group, call "
                                                "join_weight_group again (new world size) and resend")
+            if update.group and _endpoint(update.group) != _endpoint(g.spec):
+                # another sender joined since this one did: its broadcasts would go to a group
+                # nobody here listens to, and the engines would wait for the other sender's
+                raise tagged(WeightGroupStale, f"this update names the weight group at {_endpoint(update.group)}, the "
+                                               f"pool is in the group at {_endpoint(g.spec)} (another sender joined "
+                                               "since). Close the sender's group, join again and resend")
             self.check(update, "collective")
             members = [self.pool.handles[i] for i in g.members]
             yield Control(op="accepted", args={**g.spec, "rank": 0})
