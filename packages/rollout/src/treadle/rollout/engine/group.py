@@ -102,10 +102,16 @@ class WeightGroup:
         self._pg.broadcast(tensor, src).wait()
 
     def close(self) -> None:
-        """Drop the group (members should close together; nothing is sent)."""
+        """Drop the group; nothing is sent, and the other members need not close with it (a
+        daemon leaves one sender's group to join another's while the first sender keeps its
+        side): NCCL's communicator is aborted (a graceful NCCL shutdown may wait for members
+        that never come), gloo's shut down."""
         pg, self._pg = self._pg, None
-        if pg is not None and hasattr(pg, "shutdown"):
-            pg.shutdown()
+        if pg is not None:
+            stop = getattr(pg, "abort", None) if self.spec.backend == "nccl" else None
+            stop = stop or getattr(pg, "shutdown", None)
+            if stop is not None:
+                stop()
         self._store = None
 
 

@@ -391,8 +391,8 @@ class HfEngine(Engine):
 
     async def _leave_group(self) -> None:
         group, self._wgroup = self._wgroup, None
-        if group is not None:
-            group.close()
+        if group is not None:  # off the loop: health checks keep being answered however long it takes
+            await asyncio.to_thread(group.close)
 
     # ------------------------------------------------------------------ control
 
