@@ -316,7 +316,7 @@ def test_two_senders_take_turns_on_one_daemon(daemon, model_b):
     model, first, second = causal_lm(model_b), CountingClient(daemon.client), CountingClient(daemon.client)
     v = daemon.next_version()
     with sender(model, first, bucket_bytes=64 << 10) as a, sender(model, second, bucket_bytes=64 << 10) as b:
-        for k, (s, who) in enumerate([(a, first), (b, second), (a, first), (b, second)]):
+        for k, s in enumerate([a, b, a, b]):
             with torch.no_grad():
                 model.model.norm.weight.add_(0.25)  # news at every update
             assert s.sync(v + k).updated == ["e0"], k
