@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -71,7 +72,7 @@ class Item:
     @property
     def nbytes(self) -> int:
         """prod(shape) * itemsize(dtype)."""
-        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+        return math.prod(self.shape) * self.dtype.itemsize  # Python ints: exact, and ~100x faster than np.prod
 
     def value(self) -> torch.Tensor:
         """The tensor as trained (sources gathered), in its own dtype; never a view to write into."""
