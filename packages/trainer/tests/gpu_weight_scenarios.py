@@ -102,6 +102,20 @@ def run(a: argparse.Namespace, clients: dict, main: bool) -> dict:
                 r = report(s.sync(versions[daemon]))
                 rounds.append({"report": r, "peer_reads": bool(s._peers and s._peers.active), **check(engine, client)})
         out[name] = rounds
+    # two senders taking turns on one daemon: each join replaces the daemon's group (the other
+    # sender's is left, its NCCL communicator aborted); the replaced sender is told its group is
+    # stale at its next update, rejoins and resends
+    backend = "gloo" if a.cpu else "nccl"
+    with WeightSender(engine, config=SenderConfig(backend=backend, bucket_bytes=64 << 10), client=clients.get("nccl"),
+                      zero_stage=3, is_main=main) as first, \
+            WeightSender(engine, config=SenderConfig(backend=backend, bucket_bytes=64 << 10),
+                         client=clients.get("nccl"), zero_stage=3, is_main=main) as second:
+        turns = []
+        for j, s in enumerate((first, second, first)):
+            train_step(engine, 100 + j)
+            versions["nccl"] += 1
+            turns.append({"report": report(s.sync(versions["nccl"])), **check(engine, client=clients.get("nccl"))})
+        out["two_senders"] = turns
     if not a.cpu:  # IPC to the daemon on the other GPU: refused before anything changes
         client = clients.get("nccl")
         before = client.weight_digest() if main else None

@@ -3,7 +3,7 @@ real ``treadle-rollout serve --backend hf --engine.device cuda`` daemons (bf16, 
 over NCCL to a daemon on GPU 1, over CUDA IPC to a daemon on GPU 0 (rank 0's GPU), bucketed
 and per tensor, two versions each (``gpu_weight_scenarios.py``), rank 0 reading rank 1's
 partitions over CUDA IPC (``weights.peers``), and once more gathering them over NCCL (peer
-reads off). After every sync the daemon's
+reads off), and by two senders taking turns on the NCCL daemon. After every sync the daemon's
 weights are bit-identical to the trainer's (digests) and its prompt logprobs match the
 trainer's own forward; a cuda_ipc update to the daemon on the other GPU is refused.
 
@@ -107,5 +107,7 @@ def test_zero3_weights_reach_gpu_daemons_bit_identical_over_nccl_and_ipc(daemons
             assert r["report"]["updated"] == ["e0"] and r["version"] == r["report"]["version"], (name, r)
         assert second["version"] == first["version"] + 1
     assert main["nccl_bucketed"][0]["report"]["buckets"] > 1 and main["ipc_per_tensor"][0]["report"]["buckets"] == 26
+    for r in main["two_senders"]:  # first, second, first again on one daemon's NCCL group
+        assert r["digest_ok"] and r["report"]["updated"] == ["e0"], r
     assert [r["ipc_elsewhere"] for r in results] == ["BadRequest", "BadRequest"]
     assert main["ipc_elsewhere_unchanged"]
