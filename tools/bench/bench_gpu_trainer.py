@@ -264,8 +264,8 @@ KERNEL_KINDS = (("nccl", ("nccl",)), ("attention", ("flash", "fmha", "attention"
 
 def _profile(step: Any, sync: Any) -> dict[str, Any]:
     """One more SFT step under torch.profiler: GPU kernel seconds by kind (``KERNEL_KINDS``; NCCL
-    kernels run on their own stream, overlapping the others), the step's wall time, and the 12
-    costliest kernels."""
+    kernels run on their own stream, overlapping the others), the step's wall time, the 12
+    costliest kernels and the 20 operators whose kernels took the most GPU time."""
     from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
 
     sync()
@@ -281,9 +281,14 @@ def _profile(step: Any, sync: Any) -> dict[str, Any]:
         kind = next((k for k, subs in KERNEL_KINDS if any(x in name for x in subs)), "elementwise/other")
         kinds[kind] = kinds.get(kind, 0.0) + e.self_device_time_total / 1e6
     top = sorted(kernels, key=lambda e: -e.self_device_time_total)[:12]
+    # which operators launched the GPU time (a templated kernel name says little: elementwise
+    # and copy kernels are one name for many operators)
+    ops = sorted((e for e in prof.key_averages() if e.device_type.name == "CPU" and e.self_device_time_total > 0),
+                 key=lambda e: -e.self_device_time_total)[:20]
     return {"wall_s": wall, "kernel_s_by_kind": kinds,
             "compute_kernel_s": sum(v for k, v in kinds.items() if k != "nccl"),
-            "top": [[e.key[:90], e.self_device_time_total / 1e6, e.count] for e in top]}
+            "top": [[e.key[:90], e.self_device_time_total / 1e6, e.count] for e in top],
+            "top_ops": [[e.key[:90], e.self_device_time_total / 1e6, e.count] for e in ops]}
 
 
 def _compiled_graphs() -> int:
