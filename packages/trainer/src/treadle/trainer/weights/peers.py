@@ -171,6 +171,7 @@ class PeerReads:
 
         device = params[0].ds_tensor.device
         mine = shares[0]
+        visible = _visible_gpus() if device.type == "cuda" else set()
         mapped: dict[bytes, torch.Tensor] = {}
         where: dict[int, list[torch.Tensor]] = {id(p): [p.ds_tensor.reshape(-1)] for p in params}
         for r, share in enumerate(shares[1:], start=1):
@@ -178,6 +179,9 @@ class PeerReads:
                 raise ValueError(f"rank {r} could not share its partitions: {share.error}")
             if share.uuid == mine.uuid:
                 raise ValueError(f"rank {r} uses rank 0's GPU {share.uuid}")
+            if device.type == "cuda" and share.uuid not in visible:
+                raise ValueError(f"rank {r}'s GPU {share.uuid} is not one rank 0 sees (another host, or "
+                                 "CUDA_VISIBLE_DEVICES hides it)")
             if len(share.pieces) != len(params):
                 raise ValueError(f"rank {r} lists {len(share.pieces)} partitions, rank 0 {len(params)}")
             for h in share.storages:
@@ -193,6 +197,13 @@ class PeerReads:
                 where[id(p)].append(storage[off:off + nbytes].view(p.ds_tensor.dtype))
         self._mapped = mapped  # storages no rank shares any more are unmapped
         return where
+
+
+def _visible_gpus() -> set[str]:
+    """UUIDs of the GPUs this process sees."""
+    from treadle.rollout.engine.ipc import device_uuid  # noqa: PLC0415
+
+    return {device_uuid(i) for i in range(torch.cuda.device_count())}
 
 
 def _runs(parts: list[torch.Tensor]) -> list[torch.Tensor]:
