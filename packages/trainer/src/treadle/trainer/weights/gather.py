@@ -28,6 +28,10 @@ partitions, mixed groups or dtypes) use ``GatheredParameters``. ``pack`` copies 
 buffer in the layout of ``treadle.rollout.engine.weights.bucket_layout``, converting each tensor
 to its sent dtype on the way.
 
+Rank 0 may also read the other ranks' partitions itself instead of gathering them
+(``treadle.trainer.weights.peers``, the sender's ``peer_reads``): ``packed`` takes that path
+when every rank agrees.
+
 ``prompt_logprobs`` scores the canary prompt with the module itself (under ZeRO-3 a forward is
 a collective too: every rank must call it).
 
@@ -372,8 +376,8 @@ def packed(items: Sequence[Item], sizes: Sequence[int], dest: Callable[[int, int
     1.5B model one tensor at a time cost more host time than the transfer itself), and the next
     such bucket's gather is started before this one's scatter, so the two overlap (issued in
     the other order, each gather waited in stream order for the previous scatter: on 2xH200
-    gather + scatter took ~16 ms against ~6-7 ms for the gathers alone; the overlap is not
-    measured there yet). Other buckets (LoRA merges, 4-bit weights, mixed groups) are gathered
+    gather + scatter took ~16 ms against ~6-7 ms for the gathers alone; with the overlap 6.8 ms
+    against 5.4 ms in its first run there). Other buckets (LoRA merges, 4-bit weights, mixed groups) are gathered
     with ``gathered`` and ``pack``ed.
 
     ``peers`` (every rank passes one, or none): when ``PeerReads.prepare`` agrees, the main rank
@@ -437,8 +441,10 @@ def _pulls(peers: PeerReads, buckets: list[tuple[list[torch.Tensor], Any]], main
     is partitioned over all of them (the shares are exchanged over all ranks)."""
     import torch.distributed as dist  # noqa: PLC0415
 
+    groups = [group for _, group in buckets if group is not None]
     params = [p for ps, group in buckets if group is not None for p in ps]
-    if not params or dist.get_world_size() < 2 or any(_world(group)[0] != dist.get_world_size() for _, group in buckets if group is not None):
+    world = dist.get_world_size()
+    if not params or world < 2 or any(_world(group)[0] != world for group in groups):
         return False
     return peers.prepare(params, main=main)
 
