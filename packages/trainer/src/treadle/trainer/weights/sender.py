@@ -14,9 +14,10 @@
    ``WeightGroupStale`` (its membership changed) or has no group (it restarted). A refusal
    ends the sync on every rank before anything is gathered (a one-element all-reduce tells
    the other ranks);
-3. every rank walks the buckets (ZeRO-3 gathers one bucket's partitions at a time); rank 0
-   packs each bucket into one of two buffers while a background thread broadcasts the other,
-   so gathering bucket k+1 overlaps sending bucket k;
+3. every rank walks the buckets (ZeRO-3 gathers one bucket's partitions at a time; with
+   ``peer_reads`` rank 0 copies the other ranks' partitions itself over CUDA IPC and they only
+   wait); rank 0 packs each bucket into one of two buffers while a background thread
+   broadcasts the other, so gathering bucket k+1 overlaps sending bucket k;
 4. rank 0 waits for the daemon's answer; a second all-reduce shares the outcome; every rank
    returns a ``SyncReport`` or raises: rank 0 the daemon's typed error (``EnginesQuarantined``,
    ``BadRequest`` for a name or shape mismatch, ...), the other ranks an error of the same class
