@@ -25,7 +25,8 @@ trainer model from the same config (seed 1), wrapped in a ZeRO-3 DeepSpeed engin
 Medians are reported with the ratios the issue sets goals for (NCCL path <= 1.3x raw NCCL, IPC
 path <= 1.5x raw IPC) and the same ratios for the transfer part alone (``send_s``: rank 0's
 broadcasts, or the cuda_ipc request until the daemon answered). ``--cpu`` is a dry run on CPU
-(tiny shape, gloo, one daemon, no IPC). Rank 1 waits on CPU (gloo) barriers.
+(tiny shape, gloo, one daemon, no IPC); with ``--layers 28`` it has the 1.5B's 338 tensors at
+tiny widths, which measures the per-sync host overhead. Rank 1 waits on CPU (gloo) barriers.
 
     NCCL_NVLS_ENABLE=0 torchrun --standalone --nproc_per_node 2 tools/bench/bench_gpu_weight_sync.py \\
         --json bench_gpu_weight_sync.json
@@ -421,7 +422,8 @@ def run(a: argparse.Namespace) -> dict | None:
 
     info = init_distributed()
     main, device, gpu = info.is_main, info.device, info.device.type == "cuda"
-    shape = dict(SHAPE_TINY if a.cpu else SHAPE_1P5B, **({"vocab_size": a.vocab} if a.vocab else {}))
+    shape = dict(SHAPE_TINY if a.cpu else SHAPE_1P5B, **({"vocab_size": a.vocab} if a.vocab else {}),
+                 **({"num_hidden_layers": a.layers} if a.layers else {}))
     procs, clients, senders, store, group, started = [], {}, {}, None, None, time.perf_counter()
     try:
         if main:
@@ -503,6 +505,8 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=7, help="timed rounds (after one warm-up round)")
     p.add_argument("--bucket-mb", type=float, default=256.0, help="bucket size of the bucketed layout, MiB")
     p.add_argument("--vocab", type=int, default=0, help="override the vocabulary size (0: the shape's)")
+    p.add_argument("--layers", type=int, default=0, help="override the number of layers (0: the shape's); "
+                   "--cpu --layers 28 has the 1.5B's 338 tensors at tiny widths: the sync's host overhead")
     p.add_argument("--cpu", action="store_true", help="dry run on CPU: tiny shape, gloo, no IPC")
     p.add_argument("--workdir", default="/tmp/treadle_bench_gpu_ws")
     p.add_argument("--json", default="")

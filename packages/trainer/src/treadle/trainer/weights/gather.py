@@ -99,6 +99,7 @@ def is_4bit(module: torch.nn.Module) -> bool:
     return any(getattr(p, "quant_state", None) is not None for p in module.parameters())
 
 
+@functools.lru_cache(maxsize=1 << 16)  # a pure function of the name; plan() calls it for every tensor at every sync
 def hf_name(name: str) -> str | None:
     """The HF checkpoint name of a (wrapped) model's parameter or buffer; None: not in a checkpoint.
 
