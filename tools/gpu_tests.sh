@@ -10,7 +10,8 @@
 # is unpacked as a zip (pure Python; its CUDA ops are JIT-built when used).
 # Runs: the trainer's packed-attention equality per kernel, the ring's cuda_flash tiles against its
 # math tiles, ZeRO-3 -> HF daemon weight sync over
-# NCCL and CUDA IPC (bit-identical), ring attention equality over NCCL, the engine's NCCL receive.
+# NCCL and CUDA IPC (bit-identical; NCCL gathers and peer reads; two senders taking turns on one
+# daemon), ring attention equality over NCCL, the engine's NCCL receive.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SITE=${TREADLE_GPU_SITE:-/tmp/treadle_gpu_site}
