@@ -170,27 +170,23 @@ def open_handles(handles: list[bytes], device: torch.device | str) -> list[torch
 
 
 def map_on(data: bytes, device: torch.device | str) -> torch.Tensor:
-    """The whole shared storage of one handle as a flat uint8 tensor of ``device``, a GPU that may
-    differ from the buffer's own: the allocation is mapped into ``device``'s context (CUDA peer
-    access, enabled lazily), so reads of it run on ``device`` (its copy engines, its kernels) and
-    no work is queued on the buffer's GPU. For a sender's own ranks on one host (the weight
-    sender's peer reads); the caller keeps the tensor as long as it reads the buffer (dropping
-    it unmaps the memory and releases the sharer's reference count)."""
+    """One handle's bytes as a flat uint8 tensor of ``device``, a GPU that may differ from the
+    buffer's own: the allocation is mapped into ``device``'s context (CUDA peer access, enabled
+    lazily), so reads of it run on ``device`` (its copy engines, its kernels) and no work is
+    queued on the buffer's GPU. (torch keeps one mapping per allocation while it is alive: map a
+    peer's buffer through here only, or an earlier mapping on its own GPU is handed back.) For a
+    sender's own ranks on one host (the weight sender's peer reads); the caller keeps the tensor
+    as long as it reads the buffer (dropping it unmaps the memory and releases the sharer's
+    reference count)."""
     import torch
 
     h = loads(data)
-    device = torch.device(device)
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    torch.cuda._lazy_init()
-    storage = torch.UntypedStorage._new_shared_cuda(index, h.storage_handle, h.storage_size_bytes,
-                                                    h.storage_offset_bytes, h.ref_counter_handle,
-                                                    h.ref_counter_offset, h.event_handle, h.event_sync_required)
-    flat = torch.empty(0, dtype=torch.uint8, device=torch.device("cuda", index)).set_(storage)
-    return flat[h.tensor_offset:h.tensor_offset + h.numel]
+    return _map(h, torch.device(device))[h.tensor_offset:h.tensor_offset + h.numel]
 
 
 def _map(h: IpcHandle, device: torch.device) -> torch.Tensor:
-    """The whole shared storage of ``h`` as a flat uint8 tensor (torch's own rebuild)."""
+    """The whole shared storage of ``h`` as a flat uint8 tensor of ``device`` (torch's own rebuild,
+    which maps it into that device's context, whichever GPU holds it)."""
     import torch
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
