@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import subprocess
+import sys
 import uuid
 from pathlib import Path
 
@@ -143,3 +144,20 @@ def test_run_folders_of_dead_processes_are_swept(tmp_path):
     (tmp_path / f"{os.getpid()}-def").mkdir()
     assert sweep_stale_runs(tmp_path) == 1
     assert [p.name for p in tmp_path.iterdir()] == [f"{os.getpid()}-def"]
+
+
+@pytest.mark.parametrize("parent_alive", [True, False])
+def test_a_jail_whose_launcher_died_before_it_was_watching_exits(parent_alive):
+    """The namespace's init cannot see its launcher's pid (it reads 0 whether the launcher lives
+    or not), so it learns of a death that came before its PR_SET_PDEATHSIG from a pipe only the
+    launcher writes to: at end of file it exits (121) instead of running the code unwatched."""
+    from treadle.rewards.sandbox import LAUNCHER
+
+    code = ("import os, sys; sys.path.insert(0, sys.argv[1]); import launcher\n"
+            "r, w = os.pipe()\n"
+            f"{'' if parent_alive else 'os.close(w)'}\n"
+            "launcher._die_with_parent(alive_fd=r)\n"
+            "print('running')\n")
+    proc = subprocess.run([sys.executable, "-c", code, str(LAUNCHER.parent)],
+                          capture_output=True, text=True, timeout=60)
+    assert (proc.returncode, proc.stdout.strip()) == ((0, "running") if parent_alive else (121, "")), proc.stderr

@@ -70,11 +70,24 @@ def _mounts():
     return out
 
 
-def _die_with_parent(parent_pid):
-    """SIGKILL this process when its parent dies (a killed reward worker must not leave a run behind)."""
+def _die_with_parent(parent_pid=None, alive_fd=None):
+    """SIGKILL this process when its parent dies (a killed reward worker must not leave a run
+    behind). The parent may have died before the prctl took effect: then ``getppid()`` is no
+    longer ``parent_pid``, or, where the parent lives outside this pid namespace (its pid reads 0
+    here, dead or alive), ``alive_fd`` (the read end of a pipe whose write end only the parent
+    holds) is at end of file."""
     _check(_libc.prctl(PR_SET_PDEATHSIG, 9, 0, 0, 0), "prctl(PR_SET_PDEATHSIG)")
-    if os.getppid() != parent_pid:  # the parent died before the prctl took effect
+    if parent_pid is not None and os.getppid() != parent_pid:
         os._exit(SETUP_FAILED)
+    if alive_fd is not None:
+        os.set_blocking(alive_fd, False)
+        try:
+            gone = os.read(alive_fd, 1) == b""
+        except BlockingIOError:  # open and empty: the parent is alive
+            gone = False
+        os.close(alive_fd)
+        if gone:
+            os._exit(SETUP_FAILED)
 
 
 def _blocking_ancestor(path):
@@ -235,7 +248,7 @@ def _supervise(cfg, pid_namespace):
     me = os.getpid()
     user = os.fork()
     if user == 0:
-        _die_with_parent(me)
+        _die_with_parent(parent_pid=me)
         _run_user(cfg)
     status = {}
     while True:
@@ -253,7 +266,7 @@ def _supervise(cfg, pid_namespace):
 
 def main():
     cfg = json.loads(sys.argv[1])
-    _die_with_parent(cfg["parent_pid"])
+    _die_with_parent(parent_pid=cfg["parent_pid"])
     namespaces = cfg["isolation"] == "namespaces"
     if namespaces:
         try:
@@ -262,11 +275,14 @@ def main():
         except OSError as e:
             os.write(cfg["status_fd"], (json.dumps({"setup_error": str(e)}) + "\n").encode())
             os._exit(SETUP_FAILED)
+        alive_r, alive_w = os.pipe()  # L keeps the write end until it exits
         init = os.fork()  # the first child is pid 1 of the new namespace
         if init == 0:
-            _die_with_parent(0)  # L lives outside the namespace: its pid reads 0 in here
+            os.close(alive_w)
+            _die_with_parent(alive_fd=alive_r)  # L lives outside the namespace: its pid reads 0 in here
             # ...and when init dies, the kernel kills the whole namespace
             _supervise(cfg, pid_namespace=True)
+        os.close(alive_r)
         _, st = os.waitpid(init, 0)
         os._exit(os.WEXITSTATUS(st) if os.WIFEXITED(st) else 1)
     _supervise(cfg, pid_namespace=False)
