@@ -20,7 +20,9 @@ trainer model from the same config (seed 1), wrapped in a ZeRO-3 DeepSpeed engin
    as the sender does them; ``gather_all``: as all-gathers with every full tensor assembled)
    and ``gather_pack`` (+ packing on rank 0, as the sender does it), ``nccl`` and ``ipc`` (a full ``WeightSender.sync``:
    gather, pack, transfer, the engine's load, the daemon's answer), each bucketed
-   (``--bucket-mb``) and per tensor.
+   (``--bucket-mb``) and per tensor; ``nccl_peer`` (the sender's default: rank 0 reads rank 1's
+   partitions over CUDA IPC, ``peer_reads``; ``nccl`` is the same sender with NCCL gathers) and
+   ``pull_pack`` (those reads + packing alone), bucketed.
 
 Medians are reported with the ratios the issue sets goals for (NCCL path <= 1.3x raw NCCL, IPC
 path <= 1.5x raw IPC) and the same ratios for the transfer part alone (``send_s``: rank 0's
@@ -158,19 +160,20 @@ def stop(proc: subprocess.Popen) -> None:
 
 
 def build_trainer(shape: dict, device: torch.device, seed: int):  # noqa: ANN201
-    import deepspeed
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     from treadle.trainer.config.deepspeed import DeepSpeedConfig
-    from treadle.trainer.strategy.deepspeed import ds_config
+    from treadle.trainer.config.optim import OptimizerConfig
+    from treadle.trainer.strategy.deepspeed import build_engine
 
     torch.manual_seed(seed)
     cfg = Qwen2Config(**shape, tie_word_embeddings=True, max_position_embeddings=4096)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, attn_implementation="sdpa")
-    config = ds_config(DeepSpeedConfig(zero_stage=3, param_dtype="bf16"), None, micro_batch=1, grad_accum=1,
-                       world=dist.get_world_size())
-    engine, *_ = deepspeed.initialize(model=model, config=config)
+    # the training engine, optimizer included: ZeRO-3 then keeps each rank's partitions in flat
+    # buffers, as in a real run (without an optimizer every partition is a tensor of its own)
+    engine = build_engine(model, DeepSpeedConfig(zero_stage=3, param_dtype="bf16"), OptimizerConfig(),
+                          micro_batch=1, grad_accum=1, world=dist.get_world_size(), total_steps=10)
     return cfg, engine
 
 
@@ -179,7 +182,7 @@ class Bench:
 
     def __init__(self, a: argparse.Namespace, engine, cfg, main: bool, device: torch.device) -> None:  # noqa: ANN001
         from treadle.rollout.engine.weights import plan_buckets
-        from treadle.trainer.weights.gather import bucket_bytes, plan
+        from treadle.trainer.weights.gather import Kept, bucket_bytes, plan
 
         self.a, self.engine, self.cfg, self.main, self.device = a, engine, cfg, main, device
         self.cpu_group = dist.new_group(backend="gloo") if device.type == "cuda" else None
@@ -197,6 +200,7 @@ class Bench:
         self.versions = {"nccl": 0, "ipc": 0}  # per daemon
         self.raw_k = {"nccl": 0, "ipc": 0}
         self.peers = None  # GPU: a PeerReads for the pull_pack op
+        self.kept = Kept()  # the grids and views the sender keeps between syncs, for gather_pack
 
     def barrier(self) -> None:
         dist.barrier(group=self.cpu_group)
@@ -213,7 +217,7 @@ class Bench:
         ``buffer``, rank 0 scatters each into its place there) or, ``to_main`` False, as
         all-gathers with every full tensor assembled on every rank (``gathered``); seconds."""
         from treadle.rollout.engine.weights import bucket_ranges
-        from treadle.trainer.weights.gather import gathered, pack, packed
+        from treadle.trainer.weights.gather import gathered, pack, packed, prepare_pulls
 
         self.barrier()
         self.sync_device()
@@ -225,7 +229,9 @@ class Bench:
             def dest(lo: int, hi: int) -> torch.Tensor | None:
                 return buffer[offsets[lo]:] if buffer is not None and self.main else None
 
-            for _ in packed(self.items, self.sizes[layout], dest, zero3=True, main=self.main, peers=peers):
+            pull = peers is not None and prepare_pulls(self.items, self.sizes[layout], peers, zero3=True, main=self.main)
+            for _ in packed(self.items, self.sizes[layout], dest, zero3=True, main=self.main,
+                            peers=peers if pull else None, kept=self.kept if buffer is not None else None):
                 pass
         else:
             for lo, hi in gathered(self.items, self.sizes[layout], zero3=True):
@@ -306,7 +312,7 @@ def schedule(repeats: int, ipc: bool) -> list[list[tuple[str, str]]]:
     """Rounds of (op, layout); round 0 is the warm-up; every other round runs reversed. The
     ``_peer`` syncs (peer reads on) and ``pull_pack`` run bucketed only."""
     ops = ["raw_nccl", "gather_all", "gather", "gather_pack", "nccl"] + (
-        ["pull_pack", "nccl_peer", "raw_ipc", "ipc", "ipc_peer"] if ipc else [])
+        ["pull_pack", "nccl_peer", "raw_ipc", "ipc"] if ipc else [])
     one = [(op, layout) for op in ops for layout in LAYOUTS
            if layout == "bucketed" or not (op.endswith("_peer") or op == "pull_pack")]
     return [one if r % 2 == 0 else one[::-1] for r in range(repeats + 1)]
@@ -338,7 +344,8 @@ def correctness(bench: Bench, senders: dict, clients: dict) -> dict:
             bench.perturb()
         want = bench.digest()
         for transport, sender in senders.items():
-            for name in (transport, *((f"{transport}_peer",) if bench.peers else ())):  # gathers, peer reads
+            peer = bench.peers is not None and transport == "nccl"  # the cuda_ipc transport always gathers
+            for name in (transport, *((f"{transport}_peer",) if peer else ())):  # gathers, peer reads
                 r = bench.sync(sender, name, layout)
                 if bench.main:
                     got = list(clients[transport].weight_digest().values())
@@ -358,7 +365,7 @@ def summarise(rows: list[dict], bench: Bench) -> dict:
         med[f"{key[0]}/{key[1]}"] = {k: statistics.median(r[k] for r in sel)
                                      for k in ("s", "gather_s", "send_s", "accept_s", "answer_s") if k in sel[0]}
     ratios = {}
-    for t in ("nccl", "ipc", "nccl_peer", "ipc_peer"):
+    for t in ("nccl", "ipc", "nccl_peer"):
         for layout in LAYOUTS:
             e2e, raw = med.get(f"{t}/{layout}"), med.get(f"raw_{t.split('_')[0]}/{layout}")
             if e2e is None or raw is None:
@@ -399,7 +406,7 @@ def profile(bench: Bench, senders: dict, src: dict, folder: Path, rank: int) -> 
     folder.mkdir(parents=True, exist_ok=True)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if bench.device.type == "cuda" else [])
     with torch_profile(activities=acts) as prof:
-        syncs = [f"{name}{kind}" for name in senders for kind in ("", *(("_peer",) if bench.peers else ()))]
+        syncs = [*senders, *(("nccl_peer",) if bench.peers else ())]
         for op in ("gather_all", "gather", "gather_pack", *(("pull_pack",) if bench.peers else ()), *syncs):
             with record_function(f"bench/{op}"):
                 if op in syncs:
@@ -410,6 +417,38 @@ def profile(bench: Bench, senders: dict, src: dict, folder: Path, rank: int) -> 
     sort = "cuda_time_total" if bench.device.type == "cuda" else "cpu_time_total"
     (folder / f"prof_rank{rank}.txt").write_text(prof.key_averages().table(sort_by=sort, row_limit=40))
     prof.export_chrome_trace(str(folder / f"trace_rank{rank}.json"))
+
+
+HOST_OPS = ("gather_pack", "pull_pack", "nccl", "nccl_peer", "ipc")
+
+
+def host_profile(bench: Bench, senders: dict, src: dict, folder: Path, rounds: int = 5) -> None:
+    """Rank 0's host time: ``rounds`` more bucketed runs of each op in ``HOST_OPS`` under
+    cProfile (every rank runs them, rank 0 profiles), the functions sorted by own time and by
+    cumulative time in ``folder/host_<op>.txt``."""
+    import cProfile
+    import io
+    import pstats
+
+    folder.mkdir(parents=True, exist_ok=True)
+    for op in HOST_OPS:
+        if op in ("pull_pack", "nccl_peer") and bench.peers is None or op == "ipc" and "ipc" not in senders:
+            continue
+        prof = cProfile.Profile()
+        for _ in range(rounds):
+            if bench.main:
+                prof.enable()
+            if op.endswith("_pack"):
+                bench.gather("bucketed", src["bucketed"] if bench.main else None,
+                             peers=bench.peers if op == "pull_pack" else None)
+            else:
+                bench.sync(senders[op.split("_")[0]], op, "bucketed")
+            prof.disable()
+        if bench.main:
+            out = io.StringIO()
+            for key in ("tottime", "cumulative"):
+                pstats.Stats(prof, stream=out).sort_stats(key).print_stats(35)
+            (folder / f"host_{op}.txt").write_text(out.getvalue())
 
 
 def run(a: argparse.Namespace) -> dict | None:
@@ -467,6 +506,8 @@ def run(a: argparse.Namespace) -> dict | None:
         rows = timing(bench, senders, group, store, src)
         if a.profile:
             profile(bench, senders, src, Path(a.profile), info.rank)
+        if a.host_profile:
+            host_profile(bench, senders, src, Path(a.host_profile))
         if not main:
             return None
         return {"shape": shape, "world": info.world, "device": torch.cuda.get_device_name(0) if gpu else "cpu",
@@ -511,6 +552,8 @@ def main() -> int:
     p.add_argument("--workdir", default="/tmp/treadle_bench_gpu_ws")
     p.add_argument("--json", default="")
     p.add_argument("--profile", default="", help="folder: profile one more round of each bucketed op there")
+    p.add_argument("--host-profile", default="", help="folder: rank 0's host time of 5 more runs of each "
+                   "bucketed op under cProfile there")
     p.add_argument("--raw", choices=("nccl", "ipc"), help=argparse.SUPPRESS)
     p.add_argument("--ctl-port", type=int, default=0, help=argparse.SUPPRESS)
     a = p.parse_args()

@@ -76,15 +76,15 @@ def cases(cpu: bool) -> list[tuple[str, str, dict]]:
     from treadle.trainer.weights.sender import SenderConfig  # noqa: F401  (fields checked there)
 
     backend = "gloo" if cpu else "nccl"
-    peer = dict(peer_reads=True)  # rank 0 reads rank 1's partitions over CUDA IPC (falls back on CPU)
+    # the default: rank 0 reads rank 1's partitions over CUDA IPC (collective transport; gathers on CPU)
     out = [("nccl_bucketed", "nccl", dict(backend=backend, bucket_bytes=64 << 10, canary_token_ids=CANARY,
-                                          canary_tolerance=BF16_TOL, **peer)),
-           ("nccl_per_tensor", "nccl", dict(backend=backend, bucket_bytes=0, **peer)),
-           ("nccl_gathered", "nccl", dict(backend=backend, bucket_bytes=64 << 10))]  # the default: NCCL gathers
-    if not cpu:
+                                          canary_tolerance=BF16_TOL)),
+           ("nccl_per_tensor", "nccl", dict(backend=backend, bucket_bytes=0)),
+           ("nccl_gathered", "nccl", dict(backend=backend, bucket_bytes=64 << 10, peer_reads=False))]  # NCCL gathers
+    if not cpu:  # cuda_ipc always gathers
         out += [("ipc_bucketed", "ipc", dict(transport="cuda_ipc", bucket_bytes=64 << 10, canary_token_ids=CANARY,
-                                             canary_tolerance=BF16_TOL, **peer)),
-                ("ipc_per_tensor", "ipc", dict(transport="cuda_ipc", bucket_bytes=0, **peer))]
+                                             canary_tolerance=BF16_TOL)),
+                ("ipc_per_tensor", "ipc", dict(transport="cuda_ipc", bucket_bytes=0))]
     return out
 
 

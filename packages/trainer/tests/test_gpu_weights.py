@@ -102,8 +102,10 @@ def test_zero3_weights_reach_gpu_daemons_bit_identical_over_nccl_and_ipc(daemons
         first, second = main[name]
         for r in (first, second):
             assert r["digest_ok"] and r["gap"] <= BF16_TOL, (name, r)
-            # rank 0 read rank 1's partitions over CUDA IPC, except where told to gather over NCCL
-            assert all(res[name][i]["peer_reads"] == (name != "nccl_gathered") for res in results for i in (0, 1))
+            # rank 0 read rank 1's partitions over CUDA IPC (the default), except where told to gather
+            # over NCCL and with the cuda_ipc transport (which gathers)
+            peer = name in ("nccl_bucketed", "nccl_per_tensor")
+            assert all(res[name][i]["peer_reads"] == peer for res in results for i in (0, 1))
             assert r["report"]["updated"] == ["e0"] and r["version"] == r["report"]["version"], (name, r)
         assert second["version"] == first["version"] + 1
     assert main["nccl_bucketed"][0]["report"]["buckets"] > 1 and main["ipc_per_tensor"][0]["report"]["buckets"] == 26

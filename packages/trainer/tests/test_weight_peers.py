@@ -1,6 +1,6 @@
 """Rank 0's reads of the other ranks' ZeRO-3 partitions (``weights.peers``), the parts that run
-without CUDA: merging neighbouring partitions into one copy, the grid rank 0 builds (the
-layout the NCCL gather gives), and the checks that send a sync back to the gathers. The
+without CUDA: merging neighbouring partitions into one copy, the rows rank 0 reads (one copy
+per stretch of a peer's memory), and the checks that send a sync back to the gathers. The
 mapping itself (CUDA IPC) is ``map_on``, replaced here by a CPU buffer standing in for another
 rank's mapped memory (a named fake of the neighbour that needs CUDA); the real one runs in the
 GPU suite (``test_gpu_weights.py``), and the fallback on CPU in the 2-rank gloo scenario
@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from treadle.trainer.weights import peers as peers_mod
-from treadle.trainer.weights.peers import PeerReads, _runs, _Share
+from treadle.trainer.weights.gather import runs
+from treadle.trainer.weights.peers import PeerReads, _Share
 
 
 def param(values: list[float], shape: tuple[int, ...]) -> SimpleNamespace:
@@ -26,21 +27,28 @@ def test_runs_merge_neighbours_that_lie_back_to_back_only():
     t = torch.arange(100, dtype=torch.float32)
     other = torch.arange(5, dtype=torch.float32)
     parts = [t[0:10], t[10:25], t[30:40], t[40:41], other, t[41:45]]
-    runs = _runs(parts)
-    assert [r.numel() for r in runs] == [25, 11, 5, 4]
-    assert torch.equal(torch.cat(runs), torch.cat(parts))
-    assert runs[0].data_ptr() == t.data_ptr()  # a view, not a copy
+    merged = runs(parts)
+    assert [r.numel() for r in merged] == [25, 11, 5, 4]
+    assert torch.equal(torch.cat(merged), torch.cat(parts))
+    assert merged[0].data_ptr() == t.data_ptr()  # a view, not a copy
 
 
-def test_grid_puts_each_rank_s_partitions_in_its_row_as_the_gather_does():
-    params = [param([1, 2, 3], (5,)), param([4, 5], (4,))]
-    rank1 = torch.tensor([9, 9, 10, 11, 12, 13, 14, 9], dtype=torch.float32)  # back to back at offset 2
-    rank2 = torch.tensor([20, 21, 22, 0, 23, 24], dtype=torch.float32)  # apart
+def test_rows_copy_each_stretch_of_peer_memory_once_and_view_every_partition():
+    params = [param([1, 2, 3], (5,)), param([4, 5], (4,)), param([6], (2,))]
+    rank1 = torch.tensor([9, 10, 11, 12, 13, 14, 9, 9], dtype=torch.float32).view(torch.uint8)  # back to back at 1
+    far = torch.zeros(4 << 20, dtype=torch.uint8)  # rank 2: two pieces > 1 MiB apart, one in another storage
+    far[:12] = torch.tensor([20, 21, 22], dtype=torch.float32).view(torch.uint8)
+    far[-8:] = torch.tensor([23, 24], dtype=torch.float32).view(torch.uint8)
+    other = torch.tensor([25], dtype=torch.float32).view(torch.uint8)
     reads = PeerReads(None)
-    reads._where = {id(params[0]): [params[0].ds_tensor, rank1[2:5], rank2[0:3]],
-                    id(params[1]): [params[1].ds_tensor, rank1[5:7], rank2[4:6]]}
-    grid = reads.grid(params)
-    assert grid.tolist() == [[1, 2, 3, 4, 5], [10, 11, 12, 13, 14], [20, 21, 22, 23, 24]]
+    reads._where = {id(params[0]): [(rank1, 4, 12), (far, 0, 12)], id(params[1]): [(rank1, 16, 8), (far, len(far) - 8, 8)],
+                    id(params[2]): [(rank1, 24, 4), (other, 0, 4)]}
+    staging, rows = reads.rows(params)
+    assert [[t.tolist() for t in row] for row in rows] == [[[1, 2, 3], [4, 5], [6]], [[10, 11, 12], [13, 14], [9]],
+                                                          [[20, 21, 22], [23, 24], [25]]]
+    copies = reads._kept.memo(("rows", staging.data_ptr(), tuple(id(p) for p in params)), None)[0]
+    assert len(copies) == 1 + 3  # rank 1: one stretch; rank 2: too far apart, and another storage
+    assert staging.shape[1] < 1 << 10  # the gap itself was not copied
 
 
 def shares(pieces1: list[tuple[int, int, int]], *, error: str = "", uuid: str = "gpu-1") -> list[bytes]:
@@ -64,13 +72,11 @@ def locate(raw: list[bytes]) -> dict:
     return PeerReads(None)._locate(params, [peers_mod._DECODE.decode(b) for b in raw])
 
 
-def test_locate_maps_each_storage_once_and_views_every_partition(mapped):
+def test_locate_maps_each_storage_once_and_places_every_partition(mapped):
     where = locate(shares([(0, 4, 12), (0, 16, 8)]))
     rows = list(where.values())
-    assert [len(r) for r in rows] == [2, 2]
-    assert rows[0][1].dtype == torch.float32 and rows[0][1].numel() == 3
-    assert rows[0][1].view(torch.uint8).tolist() == list(range(4, 16))
-    assert rows[1][1].view(torch.uint8).tolist() == list(range(16, 24))
+    assert [len(r) for r in rows] == [1, 1]  # one other rank
+    assert [(s is mapped, off, n) for s, off, n in (rows[0][0], rows[1][0])] == [(True, 4, 12), (True, 16, 8)]
 
 
 @pytest.mark.parametrize(("raw", "says"), [
@@ -94,15 +100,16 @@ def test_a_share_with_unknown_fields_does_not_decode():
         peers_mod._DECODE.decode(bad)
 
 
-def test_grids_alternate_and_keep_reading_the_partitions_current_values():
+def test_staging_buffers_alternate_and_keep_reading_the_partitions_current_values():
     params = [param([1, 2], (4,))]
     rank1 = torch.tensor([3, 4], dtype=torch.float32)
     reads = PeerReads(None)
-    reads._where = {id(params[0]): [params[0].ds_tensor, rank1]}
-    first = reads.grid(params)
-    second = reads.grid(params)
-    assert first.data_ptr() != second.data_ptr()  # two grids, used in turn
+    reads._where = {id(params[0]): [(rank1.view(torch.uint8), 0, 8)]}
+    first, _ = reads.rows(params)
+    second, _ = reads.rows(params)
+    assert first.data_ptr() != second.data_ptr()  # two staging buffers, used in turn
     rank1 += 10  # the next sync: new values in the same memory
     params[0].ds_tensor -= 1
-    third = reads.grid(params)
-    assert third.data_ptr() == first.data_ptr() and third.tolist() == [[0, 1], [13, 14]]
+    third, rows = reads.rows(params)
+    assert third.data_ptr() == first.data_ptr()
+    assert [t.tolist() for t in rows[0]] == [[0, 1]] and [t.tolist() for t in rows[1]] == [[13, 14]]

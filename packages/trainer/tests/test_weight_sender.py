@@ -211,8 +211,8 @@ def _zero3_like(full: torch.Tensor, world: int, rank: int) -> torch.Tensor:
 @pytest.mark.parametrize(("world", "mixed"), [(2, False), (3, False), (4, False), (2, True), (3, True)])
 def test_scatter_views_put_every_partition_in_its_packed_place(world, mixed):
     """The sender's fast path: gathered rows of concatenated partitions (padded last pieces of
-    odd sizes included) copied into the packed bucket equal packing the full tensors, in the
-    sent dtype."""
+    odd sizes included), or per rank a list of its partitions (peer reads), copied into the
+    packed bucket equal packing the full tensors, in the sent dtype."""
     from treadle.rollout.engine.weights import unpack_bucket
     from treadle.trainer.weights.gather import Item, bucket_bytes, direct, scatter_views
 
@@ -224,11 +224,13 @@ def test_scatter_views_put_every_partition_in_its_packed_place(world, mixed):
              for i, (f, dt) in enumerate(zip(fulls, dtypes, strict=True))]
     assert direct(items)
     grid = torch.stack([torch.cat([p.ds_tensor for p in ps]) for ps in ranks])  # what gather_grid returns
-    flat = torch.full((bucket_bytes(items) + 16,), 255, dtype=torch.uint8)[:bucket_bytes(items)]
-    torch._foreach_copy_(*scatter_views(items, grid, flat))
-    _, views = unpack_bucket([it.dtype_name for it in items], [it.shape for it in items], flat=flat)
-    for f, v, dt in zip(fulls, views, dtypes, strict=True):
-        assert v.dtype == dt and torch.equal(v, f.to(dt))
+    rows = [[p.ds_tensor for p in ps] for ps in ranks]  # what PeerReads.rows returns
+    for source in (grid, rows):
+        flat = torch.full((bucket_bytes(items) + 16,), 255, dtype=torch.uint8)[:bucket_bytes(items)]
+        torch._foreach_copy_(*scatter_views(items, source, flat))
+        _, views = unpack_bucket([it.dtype_name for it in items], [it.shape for it in items], flat=flat)
+        for f, v, dt in zip(fulls, views, dtypes, strict=True):
+            assert v.dtype == dt and torch.equal(v, f.to(dt))
 
 
 def test_config_refuses_adapters_and_bad_values():
@@ -358,9 +360,14 @@ def run_zero3(daemon: Daemon, model: Path, out: Path, nproc: int, run_torchrun: 
     assert main["after_wrong"] == v + 3  # the refused version changed nothing
     assert main["lora"]["gap"] <= TOL and main["lora"]["version"] == v + 5
     assert main["lora"]["digest_ok"]  # the ZeRO-3 LoRA export (merged) holds exactly what the engine loaded
+    for name, version in (("peer", v + 6), ("peer_rejoined", v + 7)):  # rank 0 read the others' partitions
+        r = main[name]
+        assert r["version"] == version and r["report"]["updated"] == ["e0"], name
+        assert r["gap"] <= TOL and r["digest_ok"], name
     for r in results:  # every rank took the same branch
         assert r["coalesced_equals_deepspeed"] == [True, True]
         assert r["same_version"] == "BadRequest" and r["wrong_dtype"] == "BadRequest"
+        assert r["peer_same_version"] == "BadRequest" and r["peer_active"] == (nproc > 1)
         assert r["bucketed"]["report"]["tensors"] == 26
     return results
 

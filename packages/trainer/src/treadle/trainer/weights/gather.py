@@ -71,7 +71,7 @@ class Item:
 
     @property
     def dtype_name(self) -> str:
-        return str(self.dtype).removeprefix("torch.")
+        return _dtype_name(self.dtype)
 
     @property
     def nbytes(self) -> int:
@@ -81,6 +81,11 @@ class Item:
     def value(self) -> torch.Tensor:
         """The tensor as trained (sources gathered), in its own dtype; never a view to write into."""
         return self.merge() if self.merge is not None else dense(self.sources[0])
+
+
+@functools.cache
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def dense(t: torch.Tensor) -> torch.Tensor:
@@ -124,15 +129,16 @@ def hf_name(name: str) -> str | None:
 
 def plan(module: torch.nn.Module, dtype: torch.dtype | None = None) -> list[Item]:
     """Every tensor to send, in parameter order then persistent buffers; floating tensors take
-    ``dtype`` (None: their own)."""
-    merges = _lora_merges(module)
+    ``dtype`` (None: their own). One walk of the module tree (the sender plans at every sync)."""
+    params, buffers, lora = _walk(module)
+    merges = _lora_merges(lora)
     items = []
-    for name, p in module.named_parameters():
+    for name, p in params:
         hf = hf_name(name)
         if hf is not None:
             extra, merge = merges.get(id(p), ((), None))
             items.append(_item(hf, p, dtype, extra, merge))
-    for name, b in _persistent_buffers(module):
+    for name, b in buffers:
         hf = hf_name(name)
         if hf is not None:
             items.append(_item(hf, b, dtype))
@@ -141,6 +147,28 @@ def plan(module: torch.nn.Module, dtype: torch.dtype | None = None) -> list[Item
         twice = sorted({n for n in names if names.count(n) > 1})
         raise ValueError(f"weight sender: several tensors of the model map to the names {twice[:5]}")
     return items
+
+
+def _walk(module: torch.nn.Module) -> tuple[list[tuple[str, torch.Tensor]], list[tuple[str, torch.Tensor]], list[Any]]:
+    """``named_parameters()``, the persistent buffers (``named_buffers()`` less the
+    non-persistent ones) and the LoRA layers, in module order, each tensor once: one walk."""
+    lora_cls = _lora_layer_class()
+    params: list[tuple[str, torch.Tensor]] = []
+    buffers: list[tuple[str, torch.Tensor]] = []
+    lora, seen = [], set()
+    for mod_name, mod in module.named_modules():
+        prefix = f"{mod_name}." if mod_name else ""
+        for name, p in mod._parameters.items():
+            if p is not None and id(p) not in seen:
+                seen.add(id(p))
+                params.append((prefix + name, p))
+        for name, b in mod._buffers.items():
+            if b is not None and name not in mod._non_persistent_buffers_set and id(b) not in seen:
+                seen.add(id(b))
+                buffers.append((prefix + name, b))
+        if lora_cls is not None and isinstance(mod, lora_cls):
+            lora.append(mod)
+    return params, buffers, lora
 
 
 def has_lora(module: torch.nn.Module) -> bool:
@@ -155,28 +183,25 @@ def _item(name: str, t: torch.Tensor, dtype: torch.dtype | None, extra: tuple[to
     return Item(name=name, shape=shape, dtype=target, sources=(t, *extra), merge=merge)
 
 
-def _persistent_buffers(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    seen: set[int] = set()
-    for mod_name, mod in module.named_modules():
-        for name, b in mod._buffers.items():
-            if b is None or name in mod._non_persistent_buffers_set or id(b) in seen:
-                continue
-            seen.add(id(b))
-            yield (f"{mod_name}.{name}" if mod_name else name), b
+@functools.cache
+def _lora_layer_class() -> type | None:
+    """peft's ``LoraLayer``; None without peft (then no model has adapters)."""
+    try:
+        from peft.tuners.lora import LoraLayer  # noqa: PLC0415
+    except ImportError:
+        return None
+    return LoraLayer
 
 
 def _lora_layers(module: torch.nn.Module) -> list[Any]:
-    try:
-        from peft.tuners.lora import LoraLayer  # noqa: PLC0415
-    except ImportError:  # no peft installed: no adapters either
-        return []
-    return [m for m in module.modules() if isinstance(m, LoraLayer)]
+    cls = _lora_layer_class()
+    return [] if cls is None else [m for m in module.modules() if isinstance(m, cls)]
 
 
-def _lora_merges(module: torch.nn.Module) -> dict[int, tuple[tuple[torch.Tensor, ...], Callable[[], torch.Tensor]]]:
+def _lora_merges(layers: list[Any]) -> dict[int, tuple[tuple[torch.Tensor, ...], Callable[[], torch.Tensor]]]:
     """id(base weight) -> (adapter parameters to gather with it, the merged weight's function)."""
     out = {}
-    for layer in _lora_layers(module):
+    for layer in layers:
         active = [] if layer.merged or layer.disable_adapters else list(layer.active_adapters)
         adapters = tuple(a for a in active if a in layer.lora_A or a in layer.lora_embedding_A)
         if any(getattr(layer, "lora_variant", {}).get(a) is not None for a in adapters):
@@ -246,11 +271,14 @@ def coalescible(params: Sequence[torch.Tensor]) -> Any:
 
     first = params[0]
     group = getattr(first, "ds_process_group", None)
+    if getattr(first, "ds_tensor", None) is None:
+        return None
+    world = dist.get_world_size(group)
     for p in params:
         t = getattr(p, "ds_tensor", None)
         if (t is None or getattr(p, "ds_secondary_tensor", None) is not None or p.ds_process_group is not group
                 or t.dtype != first.ds_tensor.dtype or t.device != first.ds_tensor.device
-                or t.numel() * dist.get_world_size(group) < p.ds_numel):
+                or t.numel() * world < p.ds_numel):
             return None
     if first.ds_tensor.device.type == "cpu" and dist.get_backend(group) == "nccl":
         return None  # parameters offloaded to CPU: NCCL cannot gather host memory
@@ -307,33 +335,100 @@ def gather_grid(params: Sequence[torch.Tensor], group: Any, *, only_first: bool)
     return grid
 
 
-def start_gather(params: Sequence[torch.Tensor], group: Any) -> tuple[torch.Tensor | None, Any]:
+def start_gather(params: Sequence[torch.Tensor], group: Any, grid: torch.Tensor | None = None,
+                 where: tuple[int, bool] | None = None) -> tuple[torch.Tensor | None, Any]:
     """``gather_grid(only_first=True)`` started asynchronously: ``(grid or None, work)``; the grid
     holds the partitions once ``work.wait()`` returned (on a GPU: once the caller's stream
-    reaches that point)."""
+    reaches that point). ``grid``: where the group's first rank receives (a ``[world, n]``
+    buffer the caller keeps; None: a new one); ``where``: ``_world(group)`` if known."""
     import torch.distributed as dist  # noqa: PLC0415
 
-    world, first = _world(group)
-    local = torch.cat([p.ds_tensor.reshape(-1) for p in params])
-    grid = torch.empty(world, local.numel(), dtype=local.dtype, device=local.device) if first else None
+    world, first = where or _world(group)
+    local = _local(params)
+    if first and grid is None:
+        grid = torch.empty(world, local.numel(), dtype=local.dtype, device=local.device)
     work = dist.gather(local, list(grid.unbind(0)) if first else None, group=group, group_dst=0, async_op=True)
-    return grid, work
+    return grid if first else None, work
 
 
-def scatter_views(items: Sequence[Item], grid: torch.Tensor, flat: torch.Tensor) -> tuple[list, list]:
+def _local(params: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``params``' local partitions one after another: a view where they lie back to back in one
+    storage (DeepSpeed's flattened partitions, once an optimizer is built), else a new tensor."""
+    parts = runs([p.ds_tensor.reshape(-1) for p in params])
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def runs(parts: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``parts`` (1-d, one dtype) with neighbours that lie back to back in memory merged into one view."""
+    out: list[torch.Tensor] = []
+    for t in parts:
+        last = out[-1] if out else None
+        if (last is not None and last.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
+                and last.data_ptr() + last.numel() * last.element_size() == t.data_ptr()):
+            out[-1] = last.as_strided((last.numel() + t.numel(),), (1,), last.storage_offset())
+        else:
+            out.append(t)
+    return out
+
+
+class Kept:
+    """What the walks of one sender keep from one sync to the next: two ``[world, n]`` grids used
+    in turn (a bucket's grid is written again two buckets later, in stream order after the
+    current stream read it), and views made once per layout (``memo``). The memo's entries hold
+    their tensors: a pointer in a key cannot name freed memory that was handed out again."""
+
+    def __init__(self) -> None:
+        self._grids: list[torch.Tensor] = []
+        self._turn = 0
+        self._memo: dict[Any, Any] = {}
+
+    def start(self) -> None:
+        """A new walk: the first grid again."""
+        self._turn = 0
+
+    def grid(self, world: int, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """The next grid, ``[world, n]`` (a view of a kept buffer, grown when too small)."""
+        turn, self._turn = self._turn % 2, self._turn + 1
+        g = self._grids[0] if self._grids else None
+        if g is None or g.shape[0] != world or g.shape[1] < n or g.dtype != dtype or g.device != device:
+            width = max(n, g.shape[1] if g is not None and g.shape[0] == world else 0)
+            self._grids = []
+            self.clear()
+            self._grids = [torch.empty(world, width, dtype=dtype, device=device) for _ in range(2)]
+        return self._grids[turn][:, :n]
+
+    def memo(self, key: Any, make: Callable[[], Any]) -> Any:
+        """``make()``, once per ``key`` (until ``clear``)."""
+        if key not in self._memo:
+            if len(self._memo) >= 1024:  # buffers that changed leave stale keys behind: start over
+                self._memo = {}
+            self._memo[key] = make()
+        return self._memo[key]
+
+    def clear(self) -> None:
+        """Forget the views (a buffer they point into was replaced)."""
+        self._memo = {}
+
+
+def scatter_views(items: Sequence[Item], grid: torch.Tensor | Sequence[Sequence[torch.Tensor]],
+                  flat: torch.Tensor) -> tuple[list, list]:
     """``(destinations, sources)`` that copy a gathered ``grid`` (``gather_grid`` of the items'
-    parameters, in order) into ``flat``, the packed bucket (``bucket_layout``): one contiguous
-    1-d pair per partition piece (ZeRO-3 pads only the last piece, shorter or empty here), so
-    that ``torch._foreach_copy_`` takes its multi-tensor kernel. The views come from a few
-    ``split`` calls, not one slice each: on an H200 the host time of ~700 Python slices a
-    1.5B model took longer than the gather itself. Items must be ``direct``."""
-    world = grid.shape[0]
+    parameters, in order; or per rank r a list of its partitions, ``PeerReads.rows``) into
+    ``flat``, the packed bucket (``bucket_layout``): one contiguous 1-d pair per partition piece
+    (ZeRO-3 pads only the last piece, shorter or empty here), so that ``torch._foreach_copy_``
+    takes its multi-tensor kernel. A grid's views come from a few ``split`` calls, not one slice
+    each: on an H200 the host time of ~700 Python slices a 1.5B model took longer than the
+    gather itself (the sender makes them once, ``Kept``). Items must be ``direct``."""
+    world = grid.shape[0] if isinstance(grid, torch.Tensor) else len(grid)
     offsets, _ = bucket_layout([it.dtype_name for it in items], [it.shape for it in items])
     sizes = [it.sources[0].ds_tensor.numel() for it in items]
     pieces = [[max(0, min(size, it.sources[0].ds_numel - r * size)) for r in range(world)]
               for it, size in zip(items, sizes, strict=True)]
-    rows = [grid[r].split([n for size, ps in zip(sizes, pieces, strict=True) for n in (ps[r], size - ps[r])])[::2]
-            for r in range(world)]
+    if isinstance(grid, torch.Tensor):
+        rows = [grid[r].split([n for size, ps in zip(sizes, pieces, strict=True) for n in (ps[r], size - ps[r])])[::2]
+                for r in range(world)]
+    else:
+        rows = [[part[:ps[r]] for part, ps in zip(grid[r], pieces, strict=True)] for r in range(world)]
     src = [rows[r][i] for i in range(len(items)) for r in range(world)]
     dtype = items[0].dtype
     if any(it.dtype != dtype for it in items):  # mixed sent dtypes: a view per tensor
@@ -364,7 +459,7 @@ def direct(items: Sequence[Item]) -> bool:
 
 def packed(items: Sequence[Item], sizes: Sequence[int], dest: Callable[[int, int], torch.Tensor | None], *,
            zero3: bool, main: bool, coalesce: bool = True, on_error: Callable[[Exception], None] | None = None,
-           peers: PeerReads | None = None) -> Iterator[tuple[int, int, torch.Tensor | None]]:
+           peers: PeerReads | None = None, kept: Kept | None = None) -> Iterator[tuple[int, int, torch.Tensor | None]]:
     """Walk the buckets (collective under ZeRO-3, like ``gathered``) and pack each on the main
     rank into ``dest(lo, hi)``, a flat uint8 buffer of at least ``bucket_bytes`` (None: skip the
     packing, still take part in the gathers); yields ``(lo, hi, packed bucket or None)``. A
@@ -381,10 +476,12 @@ def packed(items: Sequence[Item], sizes: Sequence[int], dest: Callable[[int, int
     against 5.4 ms in its first run there). Other buckets (LoRA merges, 4-bit weights, mixed groups) are gathered
     with ``gathered`` and ``pack``ed.
 
-    ``peers`` (every rank passes one, or none): when ``PeerReads.prepare`` agrees, the main rank
-    reads the ``direct`` buckets' partitions of the other ranks itself (no gather, no work on
-    their GPUs; the other ranks skip those buckets) and returns from the walk once its reads
-    are done."""
+    ``peers``: a ``PeerReads`` that ``prepare_pulls`` readied for these buckets on every rank
+    (None: gather): the main rank reads the ``direct`` buckets' partitions of the other ranks
+    itself (no gather, no work on their GPUs; the other ranks skip those buckets) and returns
+    from the walk once its reads are done. ``kept`` (the sender's, across syncs): the gathers'
+    grids and the scatters' views are kept instead of made again at every sync (on 2xH200 the
+    host time of the walk was twice its GPU time)."""
     failed = False
 
     def fill(lo: int, hi: int, write: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor | None:
@@ -403,73 +500,131 @@ def packed(items: Sequence[Item], sizes: Sequence[int], dest: Callable[[int, int
             return None
 
     ranges = list(bucket_ranges(sizes, len(items)))
+    fast = functools.cache(functools.partial(_fast, items, ranges, zero3=zero3, coalesce=coalesce, kept=kept))
+    if kept is not None:
+        kept.start()
 
-    @functools.cache
-    def fast(k: int) -> tuple[list[torch.Tensor], Any]:
-        """Bucket k's ZeRO-3 parameters and, when it takes the direct path, their group (else None)."""
-        bucket = items[ranges[k][0]:ranges[k][1]]
-        params = _partitioned(bucket) if zero3 else []
-        return params, (coalescible(params) if params and coalesce and direct(bucket) else None)
+    def gather(b: _Bucket) -> tuple[torch.Tensor | None, Any]:
+        grid = None
+        if kept is not None and main:
+            first = b.params[0].ds_tensor
+            grid = kept.grid(b.world, b.numel, first.dtype, first.device)
+        return start_gather(b.params, b.group, grid, (b.world, b.first))
 
-    pull = peers is not None and _pulls(peers, [fast(k) for k in range(len(ranges))], main)
     ahead: tuple[int, torch.Tensor | None, Any] | None = None  # the next bucket's gather, started
     for k, (lo, hi) in enumerate(ranges):
-        bucket = items[lo:hi]
-        params, group = fast(k)
-        if group is None:
+        bucket, b = items[lo:hi], fast(k)
+        if b.group is None:
             for _ in gathered(bucket, [len(bucket)], zero3=zero3, keep=main, coalesce=coalesce, only_first=True):
                 yield lo, hi, fill(lo, hi, functools.partial(pack, bucket))
             continue
-        if main and not _world(group)[1]:
+        if main and not b.first:
             raise ValueError("the weight sender's main rank must be the first rank of the ZeRO-3 partition group")
-        if pull:
-            yield lo, hi, fill(lo, hi, functools.partial(_pulled, bucket, params, peers))
+        if peers is not None:
+            yield lo, hi, fill(lo, hi, functools.partial(_pulled, bucket, b.params, peers, kept))
             continue
-        grid, work = ahead[1:] if ahead is not None and ahead[0] == k else start_gather(params, group)
+        grid, work = ahead[1:] if ahead is not None and ahead[0] == k else gather(b)
         # Start the next bucket's gather before this one is scattered: the scatter then runs while
         # that gather is on the wire (in stream order the scatter would otherwise come first).
-        ahead = (k + 1, *start_gather(*fast(k + 1))) if k + 1 < len(ranges) and fast(k + 1)[1] is not None else None
+        ahead = (k + 1, *gather(fast(k + 1))) if k + 1 < len(ranges) and fast(k + 1).group is not None else None
         work.wait()
-        yield lo, hi, fill(lo, hi, functools.partial(_scatter, bucket, grid))
+        yield lo, hi, fill(lo, hi, functools.partial(_scatter, bucket, grid, kept))
         del grid, work
-    if pull and main:  # the other ranks may change their partitions once the walk is over
-        torch.cuda.current_stream().synchronize()
+    if peers is not None and main and torch.cuda.is_available():  # the other ranks may change their
+        torch.cuda.current_stream().synchronize()  # partitions once the walk is over
 
 
-def _pulls(peers: PeerReads, buckets: list[tuple[list[torch.Tensor], Any]], main: bool) -> bool:
-    """Whether the main rank reads the direct buckets' partitions itself (``PeerReads.prepare``,
-    a collective: every rank calls it alike); only with other ranks, and when every such bucket
-    is partitioned over all of them (the shares are exchanged over all ranks)."""
+@dataclass(frozen=True, slots=True)
+class _Bucket:
+    """A bucket's ZeRO-3 parameters and, when it takes the direct path, their group (else None),
+    with this rank's place in it."""
+
+    params: list[torch.Tensor]
+    group: Any = None
+    world: int = 1
+    first: bool = True
+    numel: int = 0  # of its local partitions
+
+
+def _fast(items: Sequence[Item], ranges: list[tuple[int, int]], k: int, *, zero3: bool, coalesce: bool,
+          kept: Kept | None = None) -> _Bucket:
+    """Bucket k's ``_Bucket``; with ``kept``, made once per bucket of the same parameters (the
+    checks read several attributes of every parameter and ask the group its size)."""
+    bucket = items[ranges[k][0]:ranges[k][1]]
+
+    def make() -> _Bucket:
+        params = _partitioned(bucket) if zero3 else []
+        group = coalescible(params) if params and coalesce and direct(bucket) else None
+        if group is None:
+            return _Bucket(params)
+        return _Bucket(params, group, *_world(group), sum(p.ds_tensor.numel() for p in params))
+
+    if kept is None:
+        return make()
+    # what the answer depends on: the parameters (kept objects) and whether each item is one of them as it is
+    key = ("bucket", zero3, coalesce, tuple((id(it.sources[0]), len(it.sources), it.merge is None) for it in bucket))
+    return kept.memo(key, make)
+
+
+def prepare_pulls(items: Sequence[Item], sizes: Sequence[int], peers: PeerReads, *, zero3: bool, main: bool,
+                  coalesce: bool = True, kept: Kept | None = None) -> bool:
+    """Whether the main rank reads the direct buckets' partitions itself in the next walk
+    (``PeerReads.prepare``, a collective: every rank calls it alike); only under ZeRO-3 with
+    other ranks, and when every such bucket is partitioned over all of them (the shares are
+    exchanged over all ranks). True: pass ``peers`` to ``packed``."""
     import torch.distributed as dist  # noqa: PLC0415
 
-    groups = [group for _, group in buckets if group is not None]
-    params = [p for ps, group in buckets if group is not None for p in ps]
+    if not zero3 or not dist.is_initialized():
+        return False
+    ranges = list(bucket_ranges(sizes, len(items)))
+    buckets = [b for k in range(len(ranges)) if (b := _fast(items, ranges, k, zero3=zero3, coalesce=coalesce,
+                                                             kept=kept)).group is not None]
+    params = [p for b in buckets for p in b.params]
     world = dist.get_world_size()
-    if not params or world < 2 or any(_world(group)[0] != world for group in groups):
+    if not params or world < 2 or any(b.world != world for b in buckets):
         return False
     return peers.prepare(params, main=main)
 
 
-def _pulled(items: Sequence[Item], params: list[torch.Tensor], peers: PeerReads, buffer: torch.Tensor) -> torch.Tensor:
-    """``_scatter`` of the partitions ``peers`` read, its views made once per grid and buffer."""
-    grid, flat = peers.grid(params), buffer[:bucket_bytes(items)]
-    # keyed by what fixes the layout: the parameters (kept objects; Items are new at every sync),
-    # their sent dtypes, the grid and the buffer
-    key = ("scatter", grid.data_ptr(), flat.data_ptr(), tuple((id(it.sources[0]), it.dtype) for it in items))
-    dst, src = peers.memo(key, lambda: scatter_views(items, grid, flat))
-    torch._foreach_copy_(dst, src)
+def _pulled(items: Sequence[Item], params: list[torch.Tensor], peers: PeerReads, kept: Kept | None,
+            buffer: torch.Tensor) -> torch.Tensor:
+    """The partitions ``peers`` read (``PeerReads.rows``) copied into their packed place at the
+    front of ``buffer``; with ``kept``, the copies' views are made once per staging buffer,
+    buffer and layout."""
+    staging, rows = peers.rows(params)
+    flat = buffer[:bucket_bytes(items)]
+    if kept is None:
+        torch._foreach_copy_(*scatter_views(items, rows, flat))
+        return flat
+    key = ("pulled", peers.generation, staging.data_ptr(), flat.data_ptr(),
+           tuple((id(it.sources[0]), it.dtype) for it in items))
+    torch._foreach_copy_(*kept.memo(key, lambda: scatter_views(items, rows, flat)))
     return flat
 
 
-def _scatter(items: Sequence[Item], grid: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:
+def _scatter(items: Sequence[Item], grid: torch.Tensor, kept: Kept | None, buffer: torch.Tensor) -> torch.Tensor:
+    """The gathered ``grid`` copied into its packed place at the front of ``buffer``; with
+    ``kept``, the copies' views are made once per grid, buffer and layout."""
     flat = buffer[:bucket_bytes(items)]
-    torch._foreach_copy_(*scatter_views(items, grid, flat))
+    if kept is None:
+        torch._foreach_copy_(*scatter_views(items, grid, flat))
+        return flat
+    # keyed by what fixes the layout: the parameters (kept objects; Items are new at every sync),
+    # their sent dtypes, the grid and the buffer
+    key = ("scatter", grid.data_ptr(), tuple(grid.shape), flat.data_ptr(),
+           tuple((id(it.sources[0]), it.dtype) for it in items))
+    torch._foreach_copy_(*kept.memo(key, lambda: scatter_views(items, grid, flat)))
     return flat
 
 
 def bucket_bytes(items: Sequence[Item]) -> int:
     """Size of the flat buffer holding ``items`` (``bucket_layout``'s total)."""
-    return bucket_layout([it.dtype_name for it in items], [it.shape for it in items])[1]
+    return _layout_total(tuple(it.dtype_name for it in items), tuple(it.shape for it in items))
+
+
+@functools.lru_cache(maxsize=4096)  # the same buckets at every sync
+def _layout_total(dtypes: tuple[str, ...], shapes: tuple[tuple[int, ...], ...]) -> int:
+    return bucket_layout(dtypes, shapes)[1]
 
 
 def pack(items: Sequence[Item], buffer: torch.Tensor) -> torch.Tensor:

@@ -2,7 +2,7 @@
 
     peers = PeerReads(group)                  # every rank; group: a gloo group of all ranks
     if peers.prepare(params, main=is_main):   # collective; same answer on every rank
-        grid = peers.grid(bucket_params)      # rank 0 only: [world, n], like gather.gather_grid
+        staging, rows = peers.rows(bucket_params)  # rank 0 only: rows[r][i] = rank r's partition of param i
     peers.close()
 
 Why: the weight sender gathers each bucket to rank 0 before broadcasting it to the engines. An
@@ -15,13 +15,14 @@ device copy, which its copy engine runs: nothing is queued on the other GPUs, an
 pulls overlapped the broadcast (10.2 ms for both; ``docs/benchmarks.md``).
 
 ``prepare`` (every rank, each sync): each rank waits for its GPU work (the partitions are final),
-then the ranks exchange, over ``group``, a small msgpack message each: the GPU's UUID, one CUDA
-IPC handle per partition storage (``treadle.rollout.engine.ipc``, made once per storage and
-kept, so the storage stays alive and the handle the same) and each parameter's (storage, byte
-offset, bytes). Rank 0 maps storages it has not mapped yet (about 10 ms each, once) and checks
+then the ranks exchange, over ``group``, a small msgpack message each (made again only when a
+partition moved): the GPU's UUID, one CUDA IPC handle per partition storage
+(``treadle.rollout.engine.ipc``, made once per storage and kept, so the storage stays alive and
+the handle the same) and each parameter's (storage, byte offset, bytes). Rank 0 maps storages it has not mapped yet (about 10 ms each, once) and checks
 that every rank's partitions have its own sizes; any failure (a GPU rank 0 cannot reach, an
-allocation that cannot be shared, ...) is logged once and the sync gathers over NCCL instead.
-The outcome is broadcast, so every rank takes the same path.
+allocation that cannot be shared, partitions on the CPU) is logged and this and every later
+sync gathers over the trainer's group instead. The outcome is broadcast, so every rank takes
+the same path.
 
 The caller keeps the other ranks' partitions unchanged until rank 0's copies are done (the
 weight sender: those ranks wait for the outcome all-reduce, which rank 0 enters after it
@@ -39,6 +40,7 @@ import msgspec
 import torch
 
 from treadle.common.log import get_logger
+from treadle.trainer.weights.gather import Kept
 
 log = get_logger(__name__)
 
@@ -63,86 +65,74 @@ class PeerReads:
         self._group = group
         self._shared: dict[int, tuple[torch.UntypedStorage, bytes]] = {}  # data_ptr -> (storage, handle)
         self._mapped: dict[bytes, torch.Tensor] = {}  # rank 0: handle -> the storage mapped on its GPU
-        self._where: dict[int, list[torch.Tensor]] = {}  # rank 0: id(param) -> its partition on each rank
+        self._where: dict[int, list[Piece]] = {}  # rank 0: id(param) -> its partition on each other rank
         self._seen: list[bytes] = []  # rank 0: the shares ``_where`` was made from
-        self._grids: list[torch.Tensor] = []  # rank 0: two grids, used in turn (``grid``)
-        self._turn = 0
-        self._memo: dict[Any, Any] = {}  # rank 0: views made once for the current shares (``memo``)
-        self._warned = False
+        self._kept = Kept()  # rank 0: two grids used in turn, the copies' views made once for these shares
+        self._told: tuple[list, bytes] = ([], b"")  # (the partitions, this rank's message about them)
         self.active = False  # the last ``prepare``'s answer
+        self.disabled = False  # rank 0 could not read them once: gathers from then on (every rank)
+        self.generation = 0  # rank 0: changes whenever the rows' layout may have (views keyed by it go stale)
 
     def prepare(self, params: Sequence[torch.Tensor], *, main: bool) -> bool:
-        """Whether rank 0 reads ``params``' partitions this sync (collective over the group)."""
+        """Whether rank 0 reads ``params``' partitions this sync (collective over the group,
+        until rank 0 found once that it cannot: then False on every rank, without a collective)."""
         import torch.distributed as dist  # noqa: PLC0415
 
+        if self.disabled:  # every rank learnt it from the same broadcast
+            return False
         if torch.cuda.is_available():
             torch.cuda.synchronize()  # this rank's partitions are final before anyone reads them
-        try:
-            share = self._share(params)
-        except Exception as e:  # noqa: BLE001 - rank 0 decides, and says why
-            self._shared, share = {}, _Share(uuid="", storages=[], pieces=[], error=repr(e))
-        shares = _all_gather_bytes(_ENCODE.encode(share), self._group)
+        key = [(id(p), p.ds_tensor.data_ptr(), p.ds_tensor.numel()) for p in params]
+        if key != self._told[0]:  # else the same partitions in the same memory: the same message
+            try:
+                share = self._share(params)
+            except Exception as e:  # noqa: BLE001 - rank 0 decides, and says why
+                self._shared, share = {}, _Share(uuid="", storages=[], pieces=[], error=repr(e))
+            self._told = (key, _ENCODE.encode(share))
+        shares = _all_gather_bytes(self._told[1], self._group)
         ok = torch.zeros(1, dtype=torch.int64)
         if main:
             try:
                 if shares != self._seen or len(self._where) != len(params):  # else: the same partitions
-                    self._where, self._seen, self._memo = {}, [], {}
+                    self._where, self._seen, self.generation = {}, [], self.generation + 1
+                    self._kept.clear()
                     self._where = self._locate(params, [_DECODE.decode(b) for b in shares])
                     self._seen = shares
-                self._turn = 0
+                self._kept.start()
                 ok[0] = 1
-            except Exception as e:  # noqa: BLE001 - any reason: fall back to gathers, say why once
-                self._where, self._seen, self._memo = {}, [], {}
-                if not self._warned:
-                    log.warning("weight sync: rank 0 cannot read the other ranks' partitions over CUDA IPC; "
-                                "gathering them over NCCL", extra={"fields": {"reason": repr(e)}})
-                    self._warned = True
+            except Exception as e:  # noqa: BLE001 - any reason: gather from now on, say why once
+                self._where, self._seen, self.generation = {}, [], self.generation + 1
+                self._kept.clear()
+                ok[0] = -1
+                on_gpu = params[0].ds_tensor.is_cuda  # on CPU this is expected: no need to warn
+                (log.warning if on_gpu else log.info)(
+                    "weight sync: rank 0 cannot read the other ranks' partitions over CUDA IPC; the weight "
+                    "sender gathers them over the trainer's group instead", extra={"fields": {"reason": repr(e)}})
         dist.broadcast(ok, src=0, group=self._group)  # the group holds every rank
-        self.active = bool(ok[0])
+        self.active, self.disabled = ok[0] == 1, ok[0] == -1
         return self.active
 
-    def grid(self, params: Sequence[torch.Tensor]) -> torch.Tensor:
-        """Rank 0: ``[world, n]``, row r = rank r's partitions of ``params``, one after another
-        (``gather.gather_grid``'s layout), copied on the current stream into one of two grids
-        kept for the next syncs (used in turn: a bucket's grid is rewritten two buckets later,
-        after the current stream has read it). The copies' views are made once."""
-        turn, self._turn = self._turn % 2, self._turn + 1
-        key = ("grid", turn, tuple(id(p) for p in params))  # parameters are kept objects: their ids stay theirs
-        local, copies, grid = self.memo(key, lambda: self._plan(params, turn))
-        torch.cat(local, out=grid[0])
+    def rows(self, params: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[list[torch.Tensor]]]:
+        """Rank 0: ``(staging, rows)``, ``rows[r][i]`` = rank r's partition of ``params[i]`` (1-d):
+        rank 0's own partitions as they are, the other ranks' copied on the current stream into
+        ``staging``, one of two buffers kept for the next syncs (``gather.Kept``: a bucket's is
+        written again two buckets later). One copy per stretch of a peer's memory that holds
+        the bucket's partitions (DeepSpeed keeps them in a few flat buffers, ordered by
+        parameter group: a bucket is one or two stretches, not a copy per parameter); the
+        copies and views are made once per bucket and staging buffer."""
+        spans, width = self._kept.memo(("spans", tuple(id(p) for p in params)), lambda: _spans(params, self._where))
+        first = params[0].ds_tensor
+        staging = self._kept.grid(len(spans), width, torch.uint8, first.device)
+        key = ("rows", staging.data_ptr(), tuple(id(p) for p in params))  # parameters are kept objects
+        copies, rows = self._kept.memo(key, lambda: _rows(params, self._where, spans, staging))
         for dst, src in copies:
             dst.copy_(src, non_blocking=True)  # same device (the peer's memory is mapped): a copy engine
-        return grid
-
-    def memo(self, key: Any, make: Any) -> Any:
-        """``make()``, once per ``key`` while the shares stay the same (views of kept buffers)."""
-        if key not in self._memo:
-            if len(self._memo) >= 1024:  # buffers that changed leave stale keys behind: start over
-                self._memo = {}
-            self._memo[key] = make()
-        return self._memo[key]
+        return staging, rows
 
     def close(self) -> None:
         """Unmap the peers' storages and release this rank's shares."""
-        self._mapped, self._where, self._shared, self._seen, self._memo, self._grids = {}, {}, {}, [], {}, []
-
-    def _plan(self, params: Sequence[torch.Tensor], turn: int) -> tuple[list, list, torch.Tensor]:
-        """(rank 0's partitions, (grid slice, peer partition) copies, the grid) of one bucket."""
-        first = params[0].ds_tensor
-        n = sum(p.ds_tensor.numel() for p in params)
-        world = len(self._where[id(params[0])])
-        if len(self._grids) < 2 or self._grids[0].shape[1] < n or self._grids[0].dtype != first.dtype:
-            width = max(n, self._grids[0].shape[1] if self._grids else 0)
-            self._grids = [torch.empty(world, width, dtype=first.dtype, device=first.device) for _ in range(2)]
-            self._memo = {}
-        grid = self._grids[turn][:, :n]
-        copies = []
-        for r in range(1, world):
-            col = 0
-            for src in _runs([self._where[id(p)][r] for p in params]):
-                copies.append((grid[r, col:col + src.numel()], src))
-                col += src.numel()
-        return [p.ds_tensor.reshape(-1) for p in params], copies, grid
+        self._mapped, self._where, self._shared, self._seen, self._kept = {}, {}, {}, [], Kept()
+        self._told = ([], b"")
 
     # ------------------------------------------------------------------ internals
 
@@ -166,14 +156,16 @@ class PeerReads:
         return _Share(uuid=device_uuid(params[0].ds_tensor.device), storages=[h for _, h in shared.values()],
                       pieces=pieces)
 
-    def _locate(self, params: Sequence[torch.Tensor], shares: list[_Share]) -> dict[int, list[torch.Tensor]]:
+    def _locate(self, params: Sequence[torch.Tensor], shares: list[_Share]) -> dict[int, list[Piece]]:
+        """id(param) -> where each other rank's partition of it lies: (that rank's storage mapped
+        on rank 0's GPU as uint8, byte offset, bytes)."""
         from treadle.rollout.engine.ipc import map_on  # noqa: PLC0415
 
         device = params[0].ds_tensor.device
         mine = shares[0]
         visible = _visible_gpus() if device.type == "cuda" else set()
         mapped: dict[bytes, torch.Tensor] = {}
-        where: dict[int, list[torch.Tensor]] = {id(p): [p.ds_tensor.reshape(-1)] for p in params}
+        where: dict[int, list[Piece]] = {id(p): [] for p in params}
         for r, share in enumerate(shares[1:], start=1):
             if share.error:
                 raise ValueError(f"rank {r} could not share its partitions: {share.error}")
@@ -194,9 +186,54 @@ class PeerReads:
                 if nbytes != want or off + nbytes > storage.numel():
                     raise ValueError(f"rank {r}'s partition of a {tuple(p.ds_shape)} parameter is {nbytes} bytes "
                                      f"at {off} of {storage.numel()}, rank 0's {want}")
-                where[id(p)].append(storage[off:off + nbytes].view(p.ds_tensor.dtype))
+                where[id(p)].append((storage, off, nbytes))
         self._mapped = mapped  # storages no rank shares any more are unmapped
         return where
+
+
+Piece = tuple[torch.Tensor, int, int]  # a peer's mapped storage (uint8), byte offset, bytes
+_GAP = 1 << 20  # pieces of one storage at most this far apart are copied as one stretch
+_ALIGN = 256  # stretches start at multiples of this in the staging buffer
+
+
+def _spans(params: Sequence[torch.Tensor], where: dict[int, list[Piece]]) -> tuple[list[list[Piece]], int]:
+    """Per other rank, the stretches of its mapped memory to copy for ``params`` (pieces of one
+    storage sorted by offset, merged when at most ``_GAP`` bytes apart), and the staging row
+    width those stretches need (each starting ``_ALIGN``-aligned)."""
+    out, width = [], 0
+    for r in range(len(where[id(params[0])])):
+        stretches: list[Piece] = []
+        for storage, off, nbytes in sorted((where[id(p)][r] for p in params), key=lambda x: (id(x[0]), x[1])):
+            last = stretches[-1] if stretches else None
+            if last is not None and last[0] is storage and off - (last[1] + last[2]) <= _GAP:
+                stretches[-1] = (storage, last[1], max(last[2], off + nbytes - last[1]))
+            else:
+                stretches.append((storage, off, nbytes))
+        out.append(stretches)
+        width = max(width, sum(-(-n // _ALIGN) * _ALIGN for _, _, n in stretches))
+    return out, width
+
+
+def _rows(params: Sequence[torch.Tensor], where: dict[int, list[Piece]], spans: list[list[Piece]],
+          staging: torch.Tensor) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[list[torch.Tensor]]]:
+    """The (staging slice, mapped stretch) copies of ``spans`` and the rows they give: row 0 is
+    rank 0's own partitions, row r views of ``staging[r - 1]``."""
+    copies, rows = [], [[p.ds_tensor.reshape(-1) for p in params]]
+    for r, stretches in enumerate(spans):
+        at: dict[tuple[int, int], int] = {}  # (id(storage), stretch offset) -> its start in the staging row
+        pos = 0
+        for storage, off, nbytes in stretches:
+            copies.append((staging[r, pos:pos + nbytes], storage[off:off + nbytes]))
+            at[id(storage), off] = pos
+            pos += -(-nbytes // _ALIGN) * _ALIGN
+        row = []
+        for p in params:
+            storage, off, nbytes = where[id(p)][r]
+            base = next(s for s in stretches if s[0] is storage and s[1] <= off < s[1] + s[2])
+            start = at[id(storage), base[1]] + off - base[1]
+            row.append(staging[r, start:start + nbytes].view(p.ds_tensor.dtype))
+        rows.append(row)
+    return copies, rows
 
 
 def _visible_gpus() -> set[str]:
@@ -204,19 +241,6 @@ def _visible_gpus() -> set[str]:
     from treadle.rollout.engine.ipc import device_uuid  # noqa: PLC0415
 
     return {device_uuid(i) for i in range(torch.cuda.device_count())}
-
-
-def _runs(parts: list[torch.Tensor]) -> list[torch.Tensor]:
-    """``parts`` (1-d, one dtype) with neighbours that lie back to back in memory merged into one view."""
-    out: list[torch.Tensor] = []
-    for t in parts:
-        last = out[-1] if out else None
-        if (last is not None and last.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
-                and last.data_ptr() + last.numel() * last.element_size() == t.data_ptr()):
-            out[-1] = last.as_strided((last.numel() + t.numel(),), (1,), last.storage_offset())
-        else:
-            out.append(t)
-    return out
 
 
 def _all_gather_bytes(data: bytes, group: Any) -> list[bytes]:

@@ -9,15 +9,18 @@
 
 1. every rank lists the tensors (``gather.plan``) and, if a canary prompt is configured, scores
    it (a forward pass: collective under ZeRO-3);
-2. rank 0 announces the update and waits until the daemon has accepted it, joining the weight
-   group first when it has none, and rejoining once when the daemon answers
-   ``WeightGroupStale`` (its membership changed) or has no group (it restarted). A refusal
-   ends the sync on every rank before anything is gathered (a one-element all-reduce tells
-   the other ranks);
-3. every rank walks the buckets (ZeRO-3 gathers one bucket's partitions at a time; with
-   ``peer_reads`` rank 0 copies the other ranks' partitions itself over CUDA IPC and they only
-   wait); rank 0 packs each bucket into one of two buffers while a background thread
-   broadcasts the other, so gathering bucket k+1 overlaps sending bucket k;
+2. rank 0 announces the update (joining the weight group first when it has none); the daemon
+   accepts it in the background. Rank 0 waits for the acceptance, rejoining once when the
+   daemon answers ``WeightGroupStale`` (its membership changed) or has no group (it restarted).
+   A refusal ends the sync on every rank before anything is gathered (a one-element all-reduce
+   tells the other ranks);
+3. every rank walks the buckets (ZeRO-3 gathers one bucket's partitions at a time); rank 0
+   packs each bucket into one of two buffers while a background thread broadcasts the other,
+   so gathering bucket k+1 overlaps sending bucket k. With ``peer_reads`` (GPUs of one host)
+   rank 0 copies the other ranks' partitions itself over CUDA IPC and the other ranks only wait
+   for the outcome; rank 0 then starts packing while the daemon is still accepting (the two
+   buffers fill before the first broadcast), and handles a refusal or a rejoin alone, walking
+   again after a rejoin;
 4. rank 0 waits for the daemon's answer; a second all-reduce shares the outcome; every rank
    returns a ``SyncReport`` or raises: rank 0 the daemon's typed error (``EnginesQuarantined``,
    ``BadRequest`` for a name or shape mismatch, ...), the other ranks an error of the same class
@@ -60,11 +63,13 @@ from treadle.rollout.engine.ipc import encode_buckets
 from treadle.rollout.engine.weights import bucket_ranges, plan_buckets
 from treadle.trainer.weights.gather import (
     Item,
+    Kept,
     bucket_bytes,
     gathered,
     host_copy,
     packed,
     plan,
+    prepare_pulls,
     prompt_logprobs,
 )
 from treadle.trainer.weights.peers import PeerReads
@@ -104,10 +109,11 @@ class SenderConfig:
     canary_tolerance: float | None = None  # None: 1e-3, or 0.1 when ``dtype`` narrows the trainer's
     mode: Literal["wait", "abort"] = "wait"  # in-flight samples: finish on the old weights, or stop now
     # (partial rollout: the agents' sampler resumes them on the new weights)
-    peer_reads: bool = False  # ZeRO-3 on GPUs of one host: rank 0 copies the other ranks' partitions
-    # itself over CUDA IPC (its copy engine; nothing runs on their GPUs) instead of NCCL gathers;
-    # falls back to the gathers, saying why, where it cannot (``weights.peers``). Off by default:
-    # faster on the GPU, not yet end to end on 2xH200 (host-bound; docs/benchmarks.md)
+    peer_reads: bool = True  # collective transport, ZeRO-3 on GPUs of one host: rank 0 copies the other
+    # ranks' partitions itself over CUDA IPC (its copy engine; nothing runs on their GPUs, where an
+    # engine may be receiving) instead of NCCL gathers, and packs while the daemon accepts; gathers
+    # where it cannot, saying why once (``weights.peers``). On 2xH200: 19.9 ms against 25.6 ms a
+    # 1.5B sync (docs/benchmarks.md)
 
     def __post_init__(self) -> None:
         if self.transport not in ("collective", "inline", "cuda_ipc"):
@@ -176,6 +182,7 @@ class WeightSender:
         self._ipc_buffer: torch.Tensor | None = None
         self._outcomes: Any = False  # the gloo group outcomes are shared over; False: not made yet
         self._peers: PeerReads | None = None
+        self._kept = Kept()  # rank 0's grids and views, from one sync to the next
         self._coalesce = config.gather == "coalesced"
         self._closed = False
 
@@ -226,15 +233,32 @@ class WeightSender:
 
     def _sync_collective(self, version: int, items: list[Item], canary: np.ndarray | None) -> tuple:
         sizes = plan_buckets([it.nbytes for it in items], self.config.bucket_bytes)
-        transfer, err, opened = None, None, time.perf_counter()
+        transfer, err, announced = None, None, time.perf_counter()
         if self._is_main:
             try:
-                transfer = self._open(version, items, sizes, canary)
+                transfer = self._announce(version, items, sizes, canary)
             except Exception as e:
                 err = e
-        opened = time.perf_counter() - opened
-        raise_outcome(self._share(err), err, version)  # a refusal: nothing gathered anywhere
-        gather_s = self._produce(items, sizes, transfer)
+        peers = self._pulls(items, sizes)  # collective; the daemon accepts meanwhile
+        if peers is None:  # gathers: every rank learns that the daemon accepted before anyone gathers
+            if transfer is not None:
+                try:
+                    transfer = self._accepted(transfer, version, items, sizes, canary)
+                except Exception as e:
+                    transfer, err = None, e
+            raise_outcome(self._share(err), err, version)  # a refusal: nothing gathered anywhere
+        # With peer reads the other ranks take no part in the walk (they wait for the outcome
+        # below), so rank 0 packs while the daemon accepts, and handles a refusal alone.
+        gather_s = self._produce(items, sizes, transfer, peers)
+        if peers is not None and transfer is not None:
+            try:
+                accepted = self._accepted(transfer, version, items, sizes, canary)
+            except Exception as e:
+                transfer, err = None, e
+            else:
+                if accepted is not transfer:  # rejoined: nothing was sent, walk again
+                    transfer = accepted
+                    gather_s += self._produce(items, sizes, transfer, peers)
         answer = None
         if transfer is not None:
             answer, err = transfer.result()
@@ -244,7 +268,8 @@ class WeightSender:
         if transfer is None:
             return answer, len(sizes), gather_s, 0.0
         return answer, len(sizes), gather_s, transfer.send_seconds, {
-            "accept_seconds": opened, "answer_seconds": max(0.0, transfer.answered_at - transfer.sent_at)}
+            "accept_seconds": max(0.0, transfer.accepted_at - announced),
+            "answer_seconds": max(0.0, transfer.answered_at - transfer.sent_at)}
 
     def _sync_inline(self, version: int, items: list[Item], canary: np.ndarray | None) -> tuple:
         sizes = plan_buckets([it.nbytes for it in items], self.config.bucket_bytes)
@@ -280,8 +305,10 @@ class WeightSender:
                 spans.append((offsets[lo, hi], bucket_bytes(items[lo:hi])))
                 return buffer[offsets[lo, hi]:]
 
+            # gathers, not peer reads: no engine receives on the other ranks' GPUs here, and on 2xH200
+            # the two took the same time (docs/benchmarks.md)
             for _ in packed(items, sizes, dest, zero3=self._zero3, main=self._is_main, coalesce=self._coalesce,
-                            on_error=failed.append, peers=self._peer_reads()):
+                            on_error=failed.append, kept=self._kept):
                 pass
             if self._is_main:  # the engines read the buffer from other processes
                 torch.cuda.current_stream().synchronize()
@@ -300,9 +327,11 @@ class WeightSender:
         raise_outcome(self._share(err), err, version)
         return answer, len(sizes), gather_s, send_s
 
-    def _produce(self, items: list[Item], sizes: list[int], transfer: Transfer | None) -> float:
-        """Walk the buckets (every rank under ZeRO-3, else rank 0 only); rank 0 packs each into a
-        free buffer for ``transfer``. Returns the seconds spent, waits for a buffer excluded."""
+    def _produce(self, items: list[Item], sizes: list[int], transfer: Transfer | None,
+                 peers: PeerReads | None = None) -> float:
+        """Walk the buckets (every rank under ZeRO-3, else rank 0 only; with ``peers``, prepared,
+        rank 0 reads the other ranks' partitions); rank 0 packs each into a free buffer for
+        ``transfer``. Returns the seconds spent, waits for a buffer excluded."""
         if not (self._is_main or self._zero3):
             return 0.0
         start, waited = time.perf_counter(), 0.0
@@ -324,30 +353,36 @@ class WeightSender:
             state["stopped"] = True
 
         for _, _, flat in packed(items, sizes, dest, zero3=self._zero3, main=self._is_main, coalesce=self._coalesce,
-                                 on_error=failed, peers=self._peer_reads()):
+                                 on_error=failed, peers=peers, kept=self._kept):
             if flat is not None:
                 transfer.put(flat, state["buffer"])  # GPU: the broadcast waits for the copies
         return time.perf_counter() - start - waited
 
     # ------------------------------------------------------------------ rank 0: the daemon
 
-    def _open(self, version: int, items: list[Item], sizes: list[int], canary: np.ndarray | None) -> Transfer:
-        """Announce the update and return once the daemon accepted it (rejoining once if stale)."""
+    def _announce(self, version: int, items: list[Item], sizes: list[int], canary: np.ndarray | None) -> Transfer:
+        """Send the update's header (joining the group first when there is none); the daemon
+        accepts in the background (``_accepted``)."""
         buffers = self._buffers_for(items, sizes)
-        for attempt in (1, 2):
-            if self._group is None:
-                self._join()
-            update = self._header(version, items, canary, sizes=sizes, group=self._group.spec.as_dict())
-            transfer = Transfer(self._client, update, self._group, len(sizes), buffers, self.config.mode)
-            if transfer.wait_accepted():
-                return transfer
+        if self._group is None:
+            self._join()
+        update = self._header(version, items, canary, sizes=sizes, group=self._group.spec.as_dict())
+        return Transfer(self._client, update, self._group, len(sizes), buffers, self.config.mode)
+
+    def _accepted(self, transfer: Transfer, version: int, items: list[Item], sizes: list[int],
+                  canary: np.ndarray | None) -> Transfer:
+        """``transfer`` once the daemon accepted it; refused as stale (or without a group),
+        announced again once after rejoining (a new ``Transfer``); any other refusal raised."""
+        rejoined = False
+        while not transfer.wait_accepted():
             _, err = transfer.result()
-            if not (_needs_rejoin(err) and attempt == 1):
-                raise err
+            if rejoined or not _needs_rejoin(err):
+                raise err or WeightSyncFailed("the daemon answered the weight update without accepting it")
             log.warning("the daemon's weight group is not ours any more; rejoining",
                         extra={"fields": {"reason": err.message}})
             self._drop_group()
-        raise AssertionError("unreachable")
+            transfer, rejoined = self._announce(version, items, sizes, canary), True
+        return transfer
 
     def _join(self) -> None:
         cfg = self.config
@@ -383,6 +418,8 @@ class WeightSender:
         need = max((bucket_bytes(items[lo:hi]) for lo, hi in bucket_ranges(sizes, len(items))), default=0)
         if len(self._buffers) != 2 or self._buffers[0].numel() < need:
             pin = self._device.type == "cpu" and torch.cuda.is_available()  # faster copies from the GPU
+            self._buffers = []
+            self._kept.clear()  # views into the old buffers go with them
             self._buffers = [torch.empty(need, dtype=torch.uint8, device=self._device, pin_memory=pin)
                              for _ in range(2)]
         return self._buffers
@@ -397,19 +434,22 @@ class WeightSender:
             self._outcomes = outcome_group()
         return self._outcomes
 
-    def _peer_reads(self) -> PeerReads | None:
-        """The ``PeerReads`` of this sender when it may use them (the same on every rank)."""
-        if not (self.config.peer_reads and self._zero3 and self._coalesce and self._device.type == "cuda"):
+    def _pulls(self, items: list[Item], sizes: list[int]) -> PeerReads | None:
+        """This sender's ``PeerReads``, prepared for this sync, when rank 0 reads the other ranks'
+        partitions itself (``gather.prepare_pulls``: a collective, the same answer on every rank)."""
+        if not (self.config.peer_reads and self._zero3 and self._coalesce):
             return None
-        if self._peers is None and self._cpu_group() is not None:
-            self._peers = PeerReads(self._outcomes)
-        return self._peers
+        if self._peers is None:
+            self._peers = PeerReads(self._cpu_group())  # None: the default group runs on the CPU already
+        pull = prepare_pulls(items, sizes, self._peers, zero3=True, main=self._is_main, kept=self._kept)
+        return self._peers if pull else None
 
     def _ipc_buffer_for(self, items: list[Item], sizes: list[int]) -> torch.Tensor:
         """One GPU buffer holding every bucket back to back (kept for the next sync)."""
         need = sum(bucket_bytes(items[lo:hi]) for lo, hi in bucket_ranges(sizes, len(items)))
         if self._ipc_buffer is None or self._ipc_buffer.numel() < need:
-            self._ipc_buffer = None  # free the old one first (a full model copy)
+            self._ipc_buffer = None  # free the old one first (a full model copy), and the views into it
+            self._kept.clear()
             self._ipc_buffer = torch.empty(need, dtype=torch.uint8, device=self._device)
         return self._ipc_buffer
 

@@ -110,7 +110,8 @@ class Transfer:
         self._stream = torch.cuda.Stream(buffers[0].device) if buffers and buffers[0].is_cuda else None
         self.accepted, self.finished, self.broken = threading.Event(), threading.Event(), threading.Event()
         self.sent, self.send_seconds = 0, 0.0
-        self.sent_at = self.answered_at = 0.0  # perf_counter() at the last byte sent / the daemon's answer
+        self.accepted_at = self.sent_at = self.answered_at = 0.0  # perf_counter() when the daemon accepted /
+        # the last byte was sent / the daemon answered
         self.answer: dict[str, Any] | None = None
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._call, name="weight-update", daemon=True)
@@ -126,6 +127,7 @@ class Transfer:
             self.finished.set()
 
     def _send(self) -> None:
+        self.accepted_at = time.perf_counter()
         self.accepted.set()
         first = None
         try:
@@ -164,9 +166,10 @@ class Transfer:
         return True
 
     def buffer(self) -> torch.Tensor | None:
-        """A free buffer for the next bucket; None: broken. A GPU buffer may still be in its
-        broadcast: the caller's stream is made to wait for it (the host does not)."""
-        while not self.broken.is_set():
+        """A free buffer for the next bucket; None: broken, or the daemon answered without
+        accepting. A GPU buffer may still be in its broadcast: the caller's stream is made to
+        wait for it (the host does not)."""
+        while not self.broken.is_set() and not (self.finished.is_set() and not self.accepted.is_set()):
             with contextlib.suppress(queue.Empty):
                 buffer, done = self._free.get(timeout=0.05)
                 if done is not None:
