@@ -155,9 +155,15 @@ def _walk(module: torch.nn.Module) -> tuple[list[tuple[str, torch.Tensor]], list
     lora_cls = _lora_layer_class()
     params: list[tuple[str, torch.Tensor]] = []
     buffers: list[tuple[str, torch.Tensor]] = []
-    lora, seen = [], set()
-    for mod_name, mod in module.named_modules():
+    lora, seen, visited = [], set(), set()
+    stack: list[tuple[str, torch.nn.Module]] = [("", module)]
+    while stack:  # named_modules()' pre-order, without its nested generators (the sender plans every sync)
+        mod_name, mod = stack.pop()
+        if id(mod) in visited:
+            continue
+        visited.add(id(mod))
         prefix = f"{mod_name}." if mod_name else ""
+        stack.extend((prefix + name, child) for name, child in reversed(mod._modules.items()) if child is not None)
         for name, p in mod._parameters.items():
             if p is not None and id(p) not in seen:
                 seen.add(id(p))
