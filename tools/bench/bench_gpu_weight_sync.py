@@ -62,7 +62,6 @@ SHAPE_1P5B = dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28
 SHAPE_TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, vocab_size=512)
 LAYOUTS = ("bucketed", "per_tensor")
-SWITCH_INTERVAL_S = 0.0005  # SenderConfig's default
 
 
 def free_port() -> int:
@@ -264,12 +263,10 @@ class Bench:
 
     def sync(self, sender, name: str, layout: str) -> dict:  # noqa: ANN001
         """``name``: the daemon, or with ``_peer`` the same sender with peer reads on (rank 0 reads
-        rank 1's partitions over CUDA IPC instead of NCCL gathers), with ``_gil5ms`` Python's own
-        GIL switch interval (5 ms) instead of the sender's (``switch_interval_s``)."""
-        daemon, *tags = name.split("_")
+        rank 1's partitions over CUDA IPC instead of NCCL gathers)."""
+        daemon = name.split("_")[0]
         sender.config = dataclasses.replace(sender.config, bucket_bytes=self.bucket_bytes[layout],
-                                            peer_reads="peer" in tags,
-                                            switch_interval_s=0.0 if "gil5ms" in tags else SWITCH_INTERVAL_S)
+                                            peer_reads=name.endswith("_peer"))
         self.versions[daemon] += 1
         self.barrier()
         start = time.perf_counter()
@@ -315,9 +312,9 @@ def schedule(repeats: int, ipc: bool) -> list[list[tuple[str, str]]]:
     """Rounds of (op, layout); round 0 is the warm-up; every other round runs reversed. The
     ``_peer`` syncs (peer reads on) and ``pull_pack`` run bucketed only."""
     ops = ["raw_nccl", "gather_all", "gather", "gather_pack", "nccl"] + (
-        ["pull_pack", "nccl_peer", "nccl_peer_gil5ms", "raw_ipc", "ipc"] if ipc else [])
+        ["pull_pack", "nccl_peer", "raw_ipc", "ipc"] if ipc else [])
     one = [(op, layout) for op in ops for layout in LAYOUTS
-           if layout == "bucketed" or not ("_peer" in op or op == "pull_pack")]
+           if layout == "bucketed" or not (op.endswith("_peer") or op == "pull_pack")]
     return [one if r % 2 == 0 else one[::-1] for r in range(repeats + 1)]
 
 
@@ -368,7 +365,7 @@ def summarise(rows: list[dict], bench: Bench) -> dict:
         med[f"{key[0]}/{key[1]}"] = {k: statistics.median(r[k] for r in sel)
                                      for k in ("s", "gather_s", "send_s", "accept_s", "answer_s") if k in sel[0]}
     ratios = {}
-    for t in ("nccl", "ipc", "nccl_peer", "nccl_peer_gil5ms"):
+    for t in ("nccl", "ipc", "nccl_peer"):
         for layout in LAYOUTS:
             e2e, raw = med.get(f"{t}/{layout}"), med.get(f"raw_{t.split('_')[0]}/{layout}")
             if e2e is None or raw is None:

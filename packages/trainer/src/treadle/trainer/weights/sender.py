@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import contextlib
 import socket
-import sys
 import time
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -116,15 +115,7 @@ class SenderConfig:
     # where it cannot, saying why once (``weights.peers``). On 2xH200: 19.9 ms against 25.6 ms a
     # 1.5B sync (docs/benchmarks.md)
 
-    switch_interval_s: float = 0.0005  # rank 0, during a sync: how long Python lets a thread hold the GIL
-    # while another waits (``sys.setswitchinterval``; Python's default is 5 ms). Rank 0's threads hand
-    # the buckets over to each other and read the daemon's answers while its main thread packs;
-    # 0: leave Python's setting
-
     def __post_init__(self) -> None:
-        if not 0 <= self.switch_interval_s <= 1:
-            raise ConfigError(f"--switch_interval_s must be in [0, 1] seconds (0: Python's own), "
-                              f"got {self.switch_interval_s}")
         if self.transport not in ("collective", "inline", "cuda_ipc"):
             raise ConfigError(f"--transport must be collective, inline or cuda_ipc, got {self.transport!r}")
         if self.backend not in ("gloo", "nccl"):
@@ -205,8 +196,7 @@ class WeightSender:
         items = plan(self._module, self._dtype)
         canary = self._canary()
         run = {"inline": self._sync_inline, "cuda_ipc": self._sync_ipc}.get(self.config.transport, self._sync_collective)
-        with _switch_interval(self.config.switch_interval_s if self._is_main else 0.0):
-            answer, buckets, gather_s, send_s, *phases = run(version, items, canary)
+        answer, buckets, gather_s, send_s, *phases = run(version, items, canary)
         answer = answer or {}
         report = SyncReport(version=version, tensors=len(items), bytes=sum(it.nbytes for it in items),
                             buckets=buckets, seconds=time.perf_counter() - start, gather_seconds=gather_s,
@@ -475,18 +465,6 @@ class WeightSender:
             return self.config.canary_tolerance
         narrowed = any(it.dtype.itemsize < it.sources[0].dtype.itemsize for it in items)
         return NARROWED_CANARY_TOL if narrowed else EXACT_CANARY_TOL
-
-@contextlib.contextmanager
-def _switch_interval(seconds: float) -> Any:
-    """``sys.setswitchinterval(seconds)`` inside the block (0: unchanged), restored after."""
-    old = sys.getswitchinterval()
-    if seconds > 0:
-        sys.setswitchinterval(seconds)
-    try:
-        yield
-    finally:
-        sys.setswitchinterval(old)
-
 
 def _needs_rejoin(err: BaseException | None) -> bool:
     """Stale (the pool's membership changed), or no group at all (the daemon restarted, or
