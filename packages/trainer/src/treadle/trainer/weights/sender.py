@@ -97,7 +97,9 @@ class SenderConfig:
     transport: Literal["collective", "inline", "cuda_ipc"] = "collective"
     # a gloo/nccl group; tensors in the message; or CUDA IPC handles for engines on rank 0's GPU
     backend: Literal["gloo", "nccl"] = "gloo"  # the group's backend (collective)
-    bucket_bytes: int = 256 << 20  # bytes per broadcast; 0: one tensor per broadcast (the baseline)
+    bucket_bytes: int = 256 << 20  # bytes per broadcast; 0: one tensor per broadcast (the baseline).
+    # Rank 0 keeps about four buckets of memory between syncs: two send buffers, and two gather
+    # grids or (peer reads) two staging buffers
     gather: Literal["coalesced", "per_parameter"] = "coalesced"  # ZeRO-3: one flat all-gather a bucket,
     # or DeepSpeed's GatheredParameters (the baseline; see ``gather``)
     dtype: str | None = None  # the engines' dtype ("bfloat16", ...); None: the trainer's parameter dtype
