@@ -524,3 +524,18 @@ def test_agent_program_and_agent_file_are_one_or_the_other():
         parse_ppo([*base, "--train.agent_cmd", "python a.py", "--train.agent_func_path", "agent.py"])
     with pytest.raises(ConfigError, match="--train.agent_cmd computes rewards itself"):
         parse_ppo([*base, "--train.agent_cmd", "python a.py", "--reward.remote_url", "r.py"])
+
+
+@pytest.mark.parametrize(("flags", "want"), [([], True), (["--vllm.no_sync_peer_reads"], False)])
+def test_sync_peer_reads_flag_reaches_the_weight_sender(flags, want):
+    from types import SimpleNamespace
+
+    import torch
+
+    from treadle.trainer.trainers.ppo_build import sender
+
+    cfg = parse_ppo([*ppo_argv(), *flags])
+    parts = SimpleNamespace(cfg=cfg, actor=torch.nn.Linear(2, 2), sync_client=object(),
+                            dist=SimpleNamespace(is_main=True))
+    with sender(parts) as s:
+        assert s.config.peer_reads is want

@@ -102,6 +102,10 @@ class VLLMConfig:
     """Share of GPU memory an engine may take (of host memory for the CPU build)."""
     bucket_mb: int = 256
     """Weight broadcast bucket size in MB (0: one tensor per broadcast)."""
+    sync_peer_reads: bool = True
+    """ZeRO-3 on GPUs of one host: rank 0 reads the other ranks' partitions over CUDA IPC for a
+    weight sync (nothing runs on their GPUs) instead of gathering them over NCCL; it gathers by
+    itself where it cannot (another host, CPU). Off: always gather."""
     curve_dir: str = ""
     """CURVE client keys (client.key_secret + server.key, `treadle-keys generate`) for --vllm.endpoint;
     needed when that daemon is not on loopback."""

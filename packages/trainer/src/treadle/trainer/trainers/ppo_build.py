@@ -239,7 +239,7 @@ def sender(parts: PPOParts) -> Any:
     backend = cfg.vllm.sync_backend if torch.cuda.is_available() else "gloo"
     conf = SenderConfig(transport="collective", backend=backend, bucket_bytes=cfg.vllm.bucket_mb << 20,
                         dtype=DTYPES[cfg.ds.param_dtype], mode="abort" if cfg.train.partial_rollout_enable else "wait",
-                        host=cfg.vllm.sync_host)
+                        host=cfg.vllm.sync_host, peer_reads=cfg.vllm.sync_peer_reads)
     return WeightSender(parts.actor, config=conf, client=parts.sync_client, zero_stage=cfg.ds.zero_stage,
                         is_main=parts.dist.is_main)
 
