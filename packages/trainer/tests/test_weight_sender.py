@@ -380,3 +380,31 @@ def test_zero3_two_ranks_send_intact_weights(daemon, model_b, tmp_path, run_torc
 @pytest.mark.slow
 def test_zero3_one_rank_sends_intact_weights(daemon, model_b, tmp_path, run_torchrun):
     run_zero3(daemon, model_b, tmp_path, 1, run_torchrun)
+
+
+def test_planner_keeps_the_plan_until_a_tensor_it_names_changes():
+    from treadle.trainer.weights.gather import Planner, plan
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.LayerNorm(4))
+    model.register_buffer("scale", torch.ones(2))
+    planner = Planner()
+    first = planner(model)
+    assert planner(model) is first and [it.name for it in first] == [it.name for it in plan(model)]
+    assert planner(model, torch.bfloat16) is not first  # another sent dtype
+
+    def replanned(change) -> list[str]:  # noqa: ANN001
+        before = planner(model)
+        change()
+        after = planner(model)
+        assert after is not before and planner(model) is after
+        return [it.name for it in after]
+
+    assert "extra" in replanned(lambda: model.register_parameter("extra", torch.nn.Parameter(torch.zeros(1))))
+    assert "extra" not in replanned(lambda: delattr(model, "extra"))
+    replanned(lambda: setattr(model[0], "weight", torch.nn.Parameter(torch.zeros(4, 3))))  # another object
+    replanned(lambda: setattr(model[0].weight, "data", model[0].weight.data.double()))  # another dtype
+    assert replanned(lambda: setattr(model[0], "weight", torch.nn.Parameter(torch.zeros(5, 3))))  # another shape
+    replanned(lambda: model.__setitem__(1, torch.nn.LayerNorm(4)))  # a child replaced
+    assert "scale" not in replanned(lambda: model._non_persistent_buffers_set.add("scale"))
+    assert [it.sources[0] for it in planner(model)][0] is model[0].weight  # the current objects

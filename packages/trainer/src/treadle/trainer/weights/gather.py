@@ -149,6 +149,55 @@ def plan(module: torch.nn.Module, dtype: torch.dtype | None = None) -> list[Item
     return items
 
 
+class Planner:
+    """``plan``, kept from one call to the next (the sender plans at every sync) while nothing it
+    was made from changed. Each call checks that cheaply: the module tree walked again without
+    building anything (the same modules under the same names, the same parameter and buffer
+    objects under the same names in each, as many non-persistent buffers) and every sent
+    tensor's dtype and shape; a third to a half of ``plan``'s time on a 338-tensor model. A model with LoRA layers is planned afresh every time (its merged
+    weights depend on the adapters' state)."""
+
+    def __init__(self) -> None:
+        self._dtype: torch.dtype | None = None
+        self._items: list[Item] | None = None
+        self._tree: tuple[list[torch.nn.Module], list[tuple]] = ([], [])  # the modules (held: ids stay theirs)
+        self._shapes: list[tuple[torch.Tensor, torch.dtype, Any]] = []  # each source, its dtype and shape
+
+    def __call__(self, module: torch.nn.Module, dtype: torch.dtype | None = None) -> list[Item]:
+        if self._items is not None and dtype == self._dtype and self._still(module):
+            return self._items
+        items = plan(module, dtype)
+        mods, sig = _tree(module)
+        lora = _lora_layer_class()
+        if any(it.merge is not None for it in items) or lora is not None and any(isinstance(m, lora) for m in mods):
+            self._items = None
+            return items
+        self._dtype, self._items, self._tree = dtype, items, (mods, sig)
+        self._shapes = [(t, t.dtype, getattr(t, "ds_shape", t.shape)) for it in items for t in it.sources]
+        return items
+
+    def _still(self, module: torch.nn.Module) -> bool:
+        return (_tree(module)[1] == self._tree[1]
+                and all(t.dtype == d and getattr(t, "ds_shape", t.shape) == s for t, d, s in self._shapes))
+
+
+def _tree(module: torch.nn.Module) -> tuple[list[torch.nn.Module], list[tuple]]:
+    """The modules in ``_walk``'s order and, per module, what ``plan`` read of it: its id, the
+    names of its children, its parameters' and buffers' names and ids, how many buffers are
+    non-persistent."""
+    mods, sig, seen, stack = [], [], set(), [module]
+    while stack:
+        mod = stack.pop()
+        if id(mod) in seen:
+            continue
+        seen.add(id(mod))
+        mods.append(mod)
+        sig.append((id(mod), tuple(mod._modules), tuple(mod._parameters), tuple(map(id, mod._parameters.values())),
+                    tuple(mod._buffers), tuple(map(id, mod._buffers.values())), len(mod._non_persistent_buffers_set)))
+        stack.extend(child for child in reversed(mod._modules.values()) if child is not None)
+    return mods, sig
+
+
 def _walk(module: torch.nn.Module) -> tuple[list[tuple[str, torch.Tensor]], list[tuple[str, torch.Tensor]], list[Any]]:
     """``named_parameters()``, the persistent buffers (``named_buffers()`` less the
     non-persistent ones) and the LoRA layers, in module order, each tensor once: one walk."""

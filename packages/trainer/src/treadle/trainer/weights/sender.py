@@ -64,11 +64,11 @@ from treadle.rollout.engine.weights import bucket_ranges, plan_buckets
 from treadle.trainer.weights.gather import (
     Item,
     Kept,
+    Planner,
     bucket_bytes,
     gathered,
     host_copy,
     packed,
-    plan,
     prepare_pulls,
     prompt_logprobs,
 )
@@ -185,6 +185,7 @@ class WeightSender:
         self._outcomes: Any = False  # the gloo group outcomes are shared over; False: not made yet
         self._peers: PeerReads | None = None
         self._kept = Kept()  # rank 0's grids and views, from one sync to the next
+        self._plan = Planner()  # the tensors to send, kept while the model's stay the same
         self._coalesce = config.gather == "coalesced"
         self._closed = False
 
@@ -195,7 +196,7 @@ class WeightSender:
         if self._closed:
             raise RuntimeError("WeightSender.sync after close()")
         start = time.perf_counter()
-        items = plan(self._module, self._dtype)
+        items = self._plan(self._module, self._dtype)
         canary = self._canary()
         run = {"inline": self._sync_inline, "cuda_ipc": self._sync_ipc}.get(self.config.transport, self._sync_collective)
         answer, buckets, gather_s, send_s, *phases = run(version, items, canary)
