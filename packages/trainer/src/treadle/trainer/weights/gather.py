@@ -29,8 +29,10 @@ buffer in the layout of ``treadle.rollout.engine.weights.bucket_layout``, conver
 to its sent dtype on the way.
 
 Rank 0 may also read the other ranks' partitions itself instead of gathering them
-(``treadle.trainer.weights.peers``, the sender's ``peer_reads``): ``packed`` takes that path
-when every rank agrees.
+(``treadle.trainer.weights.peers``, the sender's ``peer_reads``): ``prepare_pulls`` asks every
+rank (a collective) and ``packed`` takes that path when they agree. The sender keeps what its
+walks can reuse between syncs: the plan (``Planner``) and the buckets' grids and views
+(``Kept``).
 
 ``prompt_logprobs`` scores the canary prompt with the module itself (under ZeRO-3 a forward is
 a collective too: every rank must call it).
