@@ -4,7 +4,10 @@ memory-hungry functions fail only their samples, and the pool keeps serving."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -197,6 +200,29 @@ def test_killing_a_worker_takes_its_running_sandbox_with_it():
             if not _launchers():
                 break
             await asyncio.sleep(0.1)
-        assert _launchers() == []
+        assert _launchers() == [], _describe(_launchers())
 
     run(_with_pool(spec, body, timeout_s=2.0))
+
+
+def _describe(pids: list[int]) -> dict[int, str]:
+    """What a failure report needs of a process: state, parent, group, pids in its namespaces."""
+    out = {}
+    for pid in pids:
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/status") as f:
+            out[pid] = " ".join(line.strip() for line in f if line.split(":")[0] in ("State", "PPid", "NSpid", "NSpgid"))
+    return out
+
+
+def test_own_sessions_are_the_children_that_lead_their_own_group():
+    from treadle.rewards.workers import own_sessions
+
+    alone = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"], start_new_session=True)
+    along = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        found = own_sessions(os.getpid())
+        assert alone.pid in found and along.pid not in found
+    finally:
+        for p in (alone, along):
+            p.kill()
+            p.wait()

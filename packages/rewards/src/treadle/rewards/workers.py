@@ -103,9 +103,15 @@ class WorkerProcess:
         return await self._read()
 
     async def kill(self) -> None:
-        """SIGKILL the worker's whole process group (a reward file's own children too)."""
+        """SIGKILL the worker's whole process group (a reward file's own children too), and first
+        the sessions of the sandboxes it is running (``sandbox``: each run is a session of its
+        own, which dies with its worker through parent-death signals; killing it here as well
+        does not depend on them)."""
         if self.proc is None or self.proc.returncode is not None:
             return
+        for group in own_sessions(self.proc.pid):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(group, signal.SIGKILL)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)
         await self.proc.wait()
@@ -120,6 +126,24 @@ class WorkerProcess:
             await asyncio.wait_for(self.proc.wait(), 2.0)
         except asyncio.TimeoutError:
             await self.kill()
+
+
+def own_sessions(parent: int) -> list[int]:
+    """Children of ``parent`` that lead a process group of their own (Linux ``/proc``; [] where
+    there is none): the sandbox runs a worker started."""
+    out = []
+    with contextlib.suppress(OSError):
+        for entry in os.scandir("/proc"):
+            if not entry.name.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry.name}/stat", "rb") as f:
+                    fields = f.read().rsplit(b")", 1)[1].split()  # after "(comm)", which may hold spaces
+            except OSError:  # gone meanwhile
+                continue
+            if int(fields[1]) == parent and int(fields[2]) == int(entry.name):  # ppid, pgrp
+                out.append(int(entry.name))
+    return out
 
 
 def _output(reply: dict[str, Any], n: int) -> RewardOutput:
