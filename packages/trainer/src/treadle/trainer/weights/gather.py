@@ -187,17 +187,26 @@ def _tree(module: torch.nn.Module) -> tuple[list[torch.nn.Module], list[tuple]]:
     """The modules in ``_walk``'s order and, per module, what ``plan`` read of it: its id, the
     names of its children, its parameters' and buffers' names and ids, how many buffers are
     non-persistent."""
-    mods, sig, seen, stack = [], [], set(), [module]
+    mods = [mod for _, mod in _preorder(module)]
+    return mods, [(id(mod), tuple(mod._modules), tuple(mod._parameters), tuple(map(id, mod._parameters.values())),
+                   tuple(mod._buffers), tuple(map(id, mod._buffers.values())), len(mod._non_persistent_buffers_set))
+                  for mod in mods]
+
+
+def _preorder(module: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Module]]:
+    """``named_modules()``: (prefix, module) in pre-order, each module once, without its nested
+    generators (the sender walks the tree at every sync)."""
+    visited: set[int] = set()
+    stack: list[tuple[str, torch.nn.Module]] = [("", module)]
     while stack:
-        mod = stack.pop()
-        if id(mod) in seen:
+        name, mod = stack.pop()
+        if id(mod) in visited:
             continue
-        seen.add(id(mod))
-        mods.append(mod)
-        sig.append((id(mod), tuple(mod._modules), tuple(mod._parameters), tuple(map(id, mod._parameters.values())),
-                    tuple(mod._buffers), tuple(map(id, mod._buffers.values())), len(mod._non_persistent_buffers_set)))
-        stack.extend(child for child in reversed(mod._modules.values()) if child is not None)
-    return mods, sig
+        visited.add(id(mod))
+        yield name, mod
+        prefix = f"{name}." if name else ""
+        stack.extend((prefix + child_name, child) for child_name, child in reversed(mod._modules.items())
+                     if child is not None)
 
 
 def _walk(module: torch.nn.Module) -> tuple[list[tuple[str, torch.Tensor]], list[tuple[str, torch.Tensor]], list[Any]]:
@@ -206,15 +215,9 @@ def _walk(module: torch.nn.Module) -> tuple[list[tuple[str, torch.Tensor]], list
     lora_cls = _lora_layer_class()
     params: list[tuple[str, torch.Tensor]] = []
     buffers: list[tuple[str, torch.Tensor]] = []
-    lora, seen, visited = [], set(), set()
-    stack: list[tuple[str, torch.nn.Module]] = [("", module)]
-    while stack:  # named_modules()' pre-order, without its nested generators (the sender plans every sync)
-        mod_name, mod = stack.pop()
-        if id(mod) in visited:
-            continue
-        visited.add(id(mod))
+    lora, seen = [], set()
+    for mod_name, mod in _preorder(module):
         prefix = f"{mod_name}." if mod_name else ""
-        stack.extend((prefix + name, child) for name, child in reversed(mod._modules.items()) if child is not None)
         for name, p in mod._parameters.items():
             if p is not None and id(p) not in seen:
                 seen.add(id(p))
@@ -646,29 +649,23 @@ def prepare_pulls(items: Sequence[Item], sizes: Sequence[int], peers: PeerReads,
 def _pulled(items: Sequence[Item], params: list[torch.Tensor], peers: PeerReads, kept: Kept | None,
             buffer: torch.Tensor) -> torch.Tensor:
     """The partitions ``peers`` read (``PeerReads.rows``) copied into their packed place at the
-    front of ``buffer``; with ``kept``, the copies' views are made once per staging buffer,
-    buffer and layout."""
+    front of ``buffer``."""
     staging, rows = peers.rows(params)
-    flat = buffer[:bucket_bytes(items)]
-    if kept is None:
-        torch._foreach_copy_(*scatter_views(items, rows, flat))
-        return flat
-    key = ("pulled", peers.generation, staging.data_ptr(), flat.data_ptr(),
-           tuple((id(it.sources[0]), it.dtype) for it in items))
-    torch._foreach_copy_(*kept.memo(key, lambda: scatter_views(items, rows, flat)))
-    return flat
+    return _scatter(items, rows, kept, buffer, where=("rows", peers.generation, staging.data_ptr()))
 
 
-def _scatter(items: Sequence[Item], grid: torch.Tensor, kept: Kept | None, buffer: torch.Tensor) -> torch.Tensor:
-    """The gathered ``grid`` copied into its packed place at the front of ``buffer``; with
-    ``kept``, the copies' views are made once per grid, buffer and layout."""
+def _scatter(items: Sequence[Item], grid: Any, kept: Kept | None, buffer: torch.Tensor,
+             where: Any = None) -> torch.Tensor:
+    """The gathered ``grid`` (or a peer read's rows) copied into its packed place at the front of
+    ``buffer``; with ``kept``, the copies' views are made once per source, buffer and layout.
+    ``where`` names the rows' memory (default: the grid's)."""
     flat = buffer[:bucket_bytes(items)]
     if kept is None:
         torch._foreach_copy_(*scatter_views(items, grid, flat))
         return flat
-    # keyed by what fixes the layout: the parameters (kept objects; Items are new at every sync),
-    # their sent dtypes, the grid and the buffer
-    key = ("scatter", grid.data_ptr(), tuple(grid.shape), flat.data_ptr(),
+    # keyed by what fixes the layout: the source's memory, the buffer, the parameters (kept
+    # objects; Items are new whenever the plan is) and their sent dtypes
+    key = ("scatter", where or (grid.data_ptr(), tuple(grid.shape)), flat.data_ptr(),
            tuple((id(it.sources[0]), it.dtype) for it in items))
     torch._foreach_copy_(*kept.memo(key, lambda: scatter_views(items, grid, flat)))
     return flat
