@@ -122,7 +122,8 @@ class RolloutClient:
     async def update_weights(self, update: WeightUpdate, *, mode: Literal["wait", "abort"] = "wait",
                              send: Callable[[], Any] | None = None,
                              timeout: float = UPDATE_TIMEOUT_S) -> dict[str, Any]:
-        """Load ``update`` into every engine; returns ``{"version", "updated", "failed"}``.
+        """Load ``update`` into every engine; returns ``{"version", "updated", "failed", "loads"}``
+        (``loads``: per engine that took it, the wall-clock stamps of its load, ``Engine.last_load``).
 
         ``mode="wait"``: in-flight samples finish on the old weights first; ``"abort"``: they end
         with finish_reason "abort". A collective update needs ``send`` (the sender's broadcast,

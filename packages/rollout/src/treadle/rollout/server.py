@@ -5,7 +5,8 @@ Methods (records of ``treadle.common.records``; errors come back as typed ``Erro
     generate (stream)            GenerateRequest -> one GenerateResult per sample as it finishes
     prompt_logprobs              GenerateRequest -> GenerateResult(prompt_logprobs=[P-1])
     abort                        Control(args={"key"}) -> Control(args={"aborted"})
-    update_weights[_abort]       WeightUpdate -> stream: Control("accepted"), Control("updated")
+    update_weights[_abort]       WeightUpdate -> stream: Control("accepted"),
+                                 Control("updated", version, updated, failed, loads)
     join_weight_group (stream)   Control(args={host, port, backend, timeout_s})
                                  -> Control("accepted", world_size, ...), Control("joined")
     leave_weight_group           -> Ack

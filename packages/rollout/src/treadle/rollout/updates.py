@@ -208,8 +208,10 @@ class WeightCoordinator:
                          + "; ".join(f"{k}: {v}" for k, v in quarantined.items()))
         if not updated:
             raise next(iter(failed.values()))
+        loads = {h.engine_id: dict(r.args.get("load") or {}) for h, r in zip(targets, replies, strict=True)
+                 if h in updated and isinstance(r, Control)}  # the engines' stamps (``Engine.last_load``)
         return {"version": update.version, "updated": [h.engine_id for h in updated],
-                "failed": {k: str(v) for k, v in failed.items()}}
+                "failed": {k: str(v) for k, v in failed.items()}, "loads": loads}
 
     # ------------------------------------------------------------------ the group
 

@@ -109,7 +109,7 @@ class WorkerService:
 
     async def update_weights(self, msg: Any, ctx: Any, mode: str = "wait") -> Any:
         v = await self.engine.update_weights(_expect(msg, "WeightUpdate"), mode=mode)
-        return _control("update_weights", version=v)
+        return _control("update_weights", version=v, load=dict(self.engine.last_load))
 
     async def update_weights_abort(self, msg: Any, ctx: Any) -> Any:
         return await self.update_weights(msg, ctx, mode="abort")
@@ -119,7 +119,7 @@ class WorkerService:
 
     async def receive_weights(self, msg: Any, ctx: Any, mode: str = "wait") -> Any:
         v = await self.engine.receive_weights(_expect(msg, "WeightUpdate"), mode=mode)
-        return _control("receive_weights", version=v)
+        return _control("receive_weights", version=v, load=dict(self.engine.last_load))
 
     async def receive_weights_abort(self, msg: Any, ctx: Any) -> Any:
         return await self.receive_weights(msg, ctx, mode="abort")

@@ -27,6 +27,7 @@ What this module does not do: transport, routing, failover (the daemon), or impo
 from __future__ import annotations
 
 import asyncio
+import time
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Sequence
 from typing import Any, ClassVar, Literal
@@ -64,6 +65,10 @@ class Engine(ABC):
         self._drained.set()
         self._started = self._closed = False
         self._broken = ""
+        # wall-clock stamps of the last weight load (time.time(): comparable across processes on
+        # a host): called (the update reached the engine), loading (drained and paused: the load
+        # starts), loaded, done (canary checked); the daemon hands them to the sender
+        self.last_load: dict[str, float] = {}
         self._sleep: SleepState | None = None
         self._group: GroupSpec | None = None
         self._tokens = self._samples = 0
@@ -156,16 +161,17 @@ class Engine(ABC):
         Checked before anything is touched; generation is paused during the load (``mode``:
         in-flight samples finish on the old weights first, or are aborted) and resumed after.
         """
+        called = time.time()
         if update.transport == "cuda_ipc":
-            return await self._update_ipc(update, mode)
+            return await self._update_ipc(update, mode, called)
         ts = [as_tensor(t) for t in (update.tensors if tensors is None else tensors)]
         async with self._control:
             self.check_update(update)
             self.weight_spec.check_tensors(update.names, update.dtypes, update.shapes, ts)
-            await self._swap(update, mode, lambda: self._load(update, ts))
+            await self._swap(update, mode, lambda: self._load(update, ts), called)
             return self._version
 
-    async def _update_ipc(self, update: WeightUpdate, mode: PauseMode) -> int:
+    async def _update_ipc(self, update: WeightUpdate, mode: PauseMode, called: float) -> int:
         """Load a cuda_ipc update: every check (header, handle count, colocation) before the gate closes."""
         async with self._control:
             self.check_update(update)
@@ -173,7 +179,7 @@ class Engine(ABC):
             if len(update.ipc_handles) != buckets:
                 raise BadRequest(f"cuda_ipc update: {len(update.ipc_handles)} handles for {buckets} buckets")
             await self._check_ipc(update)
-            await self._swap(update, mode, lambda: self._load_ipc(update))
+            await self._swap(update, mode, lambda: self._load_ipc(update), called)
             return self._version
 
     async def join_weight_group(self, group: GroupSpec | dict[str, Any]) -> None:
@@ -191,6 +197,7 @@ class Engine(ABC):
         A refused header is still drained from the group (received and discarded) so that the
         sender's broadcasts complete; then ``WeightMismatch`` is raised.
         """
+        called = time.time()
         async with self._control:
             if self._group is None:
                 raise BadRequest(f"engine {self.engine_id} has no weight group: join_weight_group first")
@@ -199,7 +206,7 @@ class Engine(ABC):
             except BadRequest:
                 await self._discard(update)
                 raise
-            await self._swap(update, mode, lambda: self._receive(update))
+            await self._swap(update, mode, lambda: self._receive(update), called)
             return self._version
 
     async def leave_weight_group(self) -> None:
@@ -309,8 +316,9 @@ class Engine(ABC):
         if self._in_flight == 0:
             self._drained.set()
 
-    async def _swap(self, update: WeightUpdate, mode: PauseMode, load: Any) -> None:
-        """Close the gate, drain (``mode``), pause, load, resume, check the canary, bump the version."""
+    async def _swap(self, update: WeightUpdate, mode: PauseMode, load: Any, called: float) -> None:
+        """Close the gate, drain (``mode``), pause, load, resume, check the canary, bump the
+        version; stamps ``last_load`` (``called``: when the update reached the engine)."""
         if mode not in ("wait", "abort"):
             raise BadRequest(f"pause mode must be 'wait' or 'abort', got {mode!r}")
         self._gate.clear()
@@ -319,6 +327,7 @@ class Engine(ABC):
                 await self._abort_all()
             await self._drained.wait()
             await self._pause()
+            stamps = {"called": called, "loading": time.time()}
             try:
                 await load()
             except BaseException as e:
@@ -326,7 +335,9 @@ class Engine(ABC):
                 raise
             finally:
                 await self._resume()
+            stamps["loaded"] = time.time()
             await self._verify(update)
+            self.last_load = {**stamps, "done": time.time()}
         finally:
             self._gate.set()
 
