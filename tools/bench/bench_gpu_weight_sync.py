@@ -271,8 +271,10 @@ class Bench:
         self.barrier()
         start = time.perf_counter()
         r = sender.sync(self.versions[daemon])
+        stamps = next(iter(r.engine_seconds.values()), {})  # one engine: when the update reached it, ...
         return {"s": time.perf_counter() - start, "gather_s": r.gather_seconds, "send_s": r.send_seconds,
-                "accept_s": r.accept_seconds, "answer_s": r.answer_seconds, "buckets": r.buckets}
+                "accept_s": r.accept_seconds, "answer_s": r.answer_seconds, "buckets": r.buckets,
+                **{f"engine_{k}_s": v for k, v in stamps.items()}}
 
     # -- raw transfers (rank 0 and a raw receiver; the other ranks wait)
 
@@ -362,8 +364,8 @@ def summarise(rows: list[dict], bench: Bench) -> dict:
     med = {}
     for key in {(r["op"], r["layout"]) for r in rows}:
         sel = [r for r in rows if (r["op"], r["layout"]) == key]
-        med[f"{key[0]}/{key[1]}"] = {k: statistics.median(r[k] for r in sel)
-                                     for k in ("s", "gather_s", "send_s", "accept_s", "answer_s") if k in sel[0]}
+        med[f"{key[0]}/{key[1]}"] = {k: statistics.median(r[k] for r in sel if k in r)
+                                     for k in sel[0] if k.endswith("_s") or k == "s"}
     ratios = {}
     for t in ("nccl", "ipc", "nccl_peer"):
         for layout in LAYOUTS:
@@ -530,11 +532,14 @@ def run(a: argparse.Namespace) -> dict | None:
 def report_lines(res: dict) -> list[str]:
     lines = [f"{res['tensors']} tensors, {res['bytes'] / 1e9:.2f} GB bf16, buckets {res['buckets']}",
              f"correctness: {json.dumps(res['correctness'])}",
-             f"{'op/layout (median ms)':<24}{'total':>10}{'gather':>10}{'send':>10}{'accept':>10}{'answer':>10}"]
+             f"{'op/layout (median ms)':<24}{'total':>10}{'gather':>10}{'send':>10}{'accept':>10}{'answer':>10}"
+             "   engine: called, loading, loaded, done (ms into the sync)"]
     for k in sorted(res["medians_s"]):
         m = res["medians_s"][k]
+        engine = [m[f"engine_{f}_s"] for f in ("called", "loading", "loaded", "done") if f"engine_{f}_s" in m]
         lines.append(f"{k:<24}" + "".join(f"{m.get(f, 0) * 1e3:>10.1f}"
-                                           for f in ("s", "gather_s", "send_s", "accept_s", "answer_s")))
+                                           for f in ("s", "gather_s", "send_s", "accept_s", "answer_s"))
+                     + ("   " + ", ".join(f"{t * 1e3:.1f}" for t in engine) if engine else ""))
     for k, r in res["ratios"].items():
         lines.append(f"{k}: end-to-end/raw {r['end_to_end_vs_raw']:.2f}x, transfer/raw {r['transfer_vs_raw']:.2f}x, "
                      f"end-to-end/(gather+pack + raw) {r['end_to_end_vs_gather_pack_plus_raw']:.2f}x")

@@ -113,3 +113,33 @@ def test_staging_buffers_alternate_and_keep_reading_the_partitions_current_value
     third, rows = reads.rows(params)
     assert third.data_ptr() == first.data_ptr()
     assert [t.tolist() for t in rows[0]] == [[0, 1]] and [t.tolist() for t in rows[1]] == [[13, 14]]
+
+
+def test_prepare_exchanges_shares_only_when_a_partition_moved(monkeypatch: pytest.MonkeyPatch):
+    """Steady state: one all-reduce ("did any rank's partitions move?") and the last answer;
+    a moved partition, here or on another rank, brings the full exchange back. The collectives
+    are replaced by what a second rank with the same partitions would answer."""
+    calls: list[str] = []
+    elsewhere = {"moved": False}  # whether the other rank's partitions moved
+    monkeypatch.setattr(peers_mod, "_any", lambda flag, group: calls.append("any") or flag or elsewhere["moved"])
+    monkeypatch.setattr(peers_mod, "_all_gather_bytes", lambda data, group: calls.append("exchange") or [data, data])
+    monkeypatch.setattr(torch.distributed, "broadcast",  # rank 0's answer: it reads them
+                        lambda t, src, group=None: calls.append("broadcast") or t.fill_(1))
+    monkeypatch.setattr(PeerReads, "_share", lambda self, params: _Share(
+        uuid="gpu", storages=[b"h"], pieces=[(0, p.ds_tensor.data_ptr() % 4096, 4 * p.ds_tensor.numel()) for p in params]))
+    located: list[int] = []
+    monkeypatch.setattr(PeerReads, "_locate", lambda self, params, shares: located.append(1) or {
+        id(p): [(torch.zeros(4096, dtype=torch.uint8), 0, 4)] for p in params})
+    params = [param([1, 2], (4,)), param([3], (2,))]
+    reads = PeerReads(None)
+
+    assert reads.prepare(params, main=True) and calls == ["any", "exchange", "broadcast"] and located == [1]
+    calls.clear()
+    assert reads.prepare(params, main=True) and calls == ["any"] and reads.generation == 1
+    params[1].ds_tensor = torch.tensor([3.0])  # moved here (new memory)
+    calls.clear()
+    assert reads.prepare(params, main=True) and calls == ["any", "exchange", "broadcast"]
+    assert located == [1, 1] and reads.generation == 2  # placed again: the rows' views go stale
+    elsewhere["moved"] = True  # moved on the other rank only: this rank exchanges too
+    calls.clear()
+    assert reads.prepare(params, main=False) and calls == ["any", "exchange", "broadcast"]

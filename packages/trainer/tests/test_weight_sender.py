@@ -355,6 +355,11 @@ def run_zero3(daemon: Daemon, model: Path, out: Path, nproc: int, run_torchrun: 
         r = main[name]
         assert r["report"]["version"] == r["version"] and r["report"]["updated"] == ["e0"], name
         assert r["gap"] <= TOL and r["digest_ok"], name
+        # when the engine got the update, started and ended its load, checked the canary: in
+        # order, within the sync (wall clock against the sync's own timer: a little slack)
+        stamps = r["report"]["engine_seconds"]["e0"]
+        times = [stamps[k] for k in ("called", "loading", "loaded", "done")]
+        assert times == sorted(times) and -0.05 <= times[0] and times[-1] <= r["report"]["seconds"] + 0.05, name
     assert main["bucketed"]["report"]["buckets"] > 1 and main["per_tensor"]["report"]["buckets"] == 26
     assert main["inline"]["version"] == v + 3
     assert main["after_wrong"] == v + 3  # the refused version changed nothing
@@ -375,6 +380,7 @@ def run_zero3(daemon: Daemon, model: Path, out: Path, nproc: int, run_torchrun: 
 def test_zero3_two_ranks_send_intact_weights(daemon, model_b, tmp_path, run_torchrun):
     results = run_zero3(daemon, model_b, tmp_path, 2, run_torchrun)
     assert results[1]["bucketed"]["report"]["updated"] == []  # only rank 0 talks to the daemon
+    assert results[1]["bucketed"]["report"]["engine_seconds"] == {}
 
 
 @pytest.mark.slow

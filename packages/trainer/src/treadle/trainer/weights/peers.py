@@ -15,7 +15,9 @@ device copy, which its copy engine runs: nothing is queued on the other GPUs, an
 pulls overlapped the broadcast (10.2 ms for both; ``docs/benchmarks.md``).
 
 ``prepare`` (every rank, each sync): each rank waits for its GPU work (the partitions are final),
-then the ranks exchange, over ``group``, a small msgpack message each (made again only when a
+and the ranks tell each other (one all-reduce over ``group``) whether any partition moved since
+the last prepare; when none did and that one answered True, so does this one (rank 0 would find
+the same shares). Otherwise they exchange a small msgpack message each (made again only when a
 partition moved): the GPU's UUID, one CUDA IPC handle per partition storage
 (``treadle.rollout.engine.ipc``, made once per storage and kept, so the storage stays alive and
 the handle the same) and each parameter's (storage, byte offset, bytes). Rank 0 maps storages it has not mapped yet (about 10 ms each, once) and checks
@@ -83,12 +85,19 @@ class PeerReads:
         if torch.cuda.is_available():
             torch.cuda.synchronize()  # this rank's partitions are final before anyone reads them
         key = [(id(p), p.ds_tensor.data_ptr(), p.ds_tensor.numel()) for p in params]
-        if key != self._told[0]:  # else the same partitions in the same memory: the same message
+        moved = key != self._told[0]
+        if moved:  # else the same partitions in the same memory: the same message
             try:
                 share = self._share(params)
             except Exception as e:  # noqa: BLE001 - rank 0 decides, and says why
                 self._shared, share = {}, _Share(uuid="", storages=[], pieces=[], error=repr(e))
             self._told = (key, _ENCODE.encode(share))
+        # One small collective in the steady state: when no rank's partitions moved since a
+        # prepare that answered True, rank 0 would find the same shares and answer True again.
+        if not _any(moved, self._group) and self.active:
+            if main:
+                self._kept.start()
+            return True
         shares = _all_gather_bytes(self._told[1], self._group)
         ok = torch.zeros(1, dtype=torch.int64)
         if main:
@@ -241,6 +250,15 @@ def _visible_gpus() -> set[str]:
     from treadle.rollout.engine.ipc import device_uuid  # noqa: PLC0415
 
     return {device_uuid(i) for i in range(torch.cuda.device_count())}
+
+
+def _any(flag: bool, group: Any) -> bool:
+    """Whether ``flag`` is set on any rank (a max all-reduce over a CPU group)."""
+    import torch.distributed as dist  # noqa: PLC0415
+
+    t = torch.tensor([int(flag)], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return bool(t[0])
 
 
 def _all_gather_bytes(data: bytes, group: Any) -> list[bytes]:

@@ -47,7 +47,7 @@ from __future__ import annotations
 import contextlib
 import socket
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import numpy as np
@@ -156,6 +156,10 @@ class SyncReport:
     answer_seconds: float = 0.0  # collective, rank 0: the last byte sent until the daemon's answer (its load)
     updated: list[str]  # engine ids that loaded the version (rank 0; empty elsewhere)
     failed: list[str]  # engine ids that did not (rank 0; empty elsewhere)
+    # rank 0: per engine that loaded it, seconds from the start of ``sync`` until the update
+    # reached the engine (called), its load started (loading: drained, paused), ended (loaded)
+    # and the canary was checked (done); wall clocks of two hosts, so only as good as their sync
+    engine_seconds: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
 class WeightSender:
@@ -195,7 +199,7 @@ class WeightSender:
         """Make the engines serve the model's current weights as ``version``; every rank calls it."""
         if self._closed:
             raise RuntimeError("WeightSender.sync after close()")
-        start = time.perf_counter()
+        start, wall = time.perf_counter(), time.time()
         items = self._plan(self._module, self._dtype)
         canary = self._canary()
         run = {"inline": self._sync_inline, "cuda_ipc": self._sync_ipc}.get(self.config.transport, self._sync_collective)
@@ -204,13 +208,16 @@ class WeightSender:
         report = SyncReport(version=version, tensors=len(items), bytes=sum(it.nbytes for it in items),
                             buckets=buckets, seconds=time.perf_counter() - start, gather_seconds=gather_s,
                             send_seconds=send_s, **(phases[0] if phases else {}), updated=list(answer.get("updated", [])),
-                            failed=sorted(answer.get("failed", {})))
+                            failed=sorted(answer.get("failed", {})),
+                            engine_seconds={engine: {k: round(t - wall, 6) for k, t in stamps.items()}
+                                            for engine, stamps in answer.get("loads", {}).items()})
         if self._is_main:
             log.info("weights sent", extra={"fields": {
                 "version": version, "tensors": report.tensors, "mb": round(report.bytes / 1e6, 1),
                 "buckets": buckets, "s": round(report.seconds, 3), "gather_s": round(gather_s, 3),
                 "send_s": round(send_s, 3), "accept_s": round(report.accept_seconds, 3),
-                "answer_s": round(report.answer_seconds, 3), "updated": report.updated, "failed": report.failed}})
+                "answer_s": round(report.answer_seconds, 3), "updated": report.updated, "failed": report.failed,
+                "engine_s": report.engine_seconds}})
         return report
 
     def close(self) -> None:
