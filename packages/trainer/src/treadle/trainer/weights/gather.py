@@ -153,44 +153,64 @@ def plan(module: torch.nn.Module, dtype: torch.dtype | None = None) -> list[Item
 
 class Planner:
     """``plan``, kept from one call to the next (the sender plans at every sync) while nothing it
-    was made from changed. Each call checks that cheaply: the module tree walked again without
-    building anything (the same modules under the same names, the same parameter and buffer
-    objects under the same names in each, as many non-persistent buffers) and every sent
-    tensor's dtype and shape; a third to a half of ``plan``'s time on a 338-tensor model. A model with LoRA layers is planned afresh every time (its merged
-    weights depend on the adapters' state)."""
+    was made from changed. Each call checks that without walking the module tree: no module
+    anywhere got a parameter, buffer or child registered or assigned since (torch's global
+    registration hooks count them: ``_structure_changes``), every module of the tree still has
+    as many parameters, buffers, children and non-persistent buffers (a ``del`` is not a
+    registration), and every sent tensor keeps its dtype and shape. Not seen: entries written
+    into a module's ``_parameters`` / ``_buffers`` / ``_modules`` dicts directly, bypassing
+    ``setattr`` (neither torch nor DeepSpeed nor peft does that to a built model). A model with
+    LoRA layers is planned afresh every time (its merged weights depend on the adapters' state)."""
 
     def __init__(self) -> None:
         self._dtype: torch.dtype | None = None
         self._items: list[Item] | None = None
-        self._tree: tuple[list[torch.nn.Module], list[tuple]] = ([], [])  # the modules (held: ids stay theirs)
+        self._module: torch.nn.Module | None = None
+        self._seen = -1  # ``_structure_changes`` when planned
+        self._dicts: list[Any] = []  # each module's _parameters, _buffers, _modules, non-persistent names
+        self._sizes: list[int] = []  # and their lengths when planned
         self._shapes: list[tuple[torch.Tensor, torch.dtype, Any]] = []  # each source, its dtype and shape
 
     def __call__(self, module: torch.nn.Module, dtype: torch.dtype | None = None) -> list[Item]:
-        if self._items is not None and dtype == self._dtype and self._still(module):
+        _watch_structure()
+        if self._items is not None and dtype == self._dtype and module is self._module and self._still():
             return self._items
+        seen = _STRUCTURE[0]
         items = plan(module, dtype)
-        mods, sig = _tree(module)
+        mods = [mod for _, mod in _preorder(module)]
         lora = _lora_layer_class()
         if any(it.merge is not None for it in items) or lora is not None and any(isinstance(m, lora) for m in mods):
             self._items = None
             return items
-        self._dtype, self._items, self._tree = dtype, items, (mods, sig)
+        self._dtype, self._items, self._module, self._seen = dtype, items, module, seen
+        self._dicts = [d for mod in mods
+                       for d in (mod._parameters, mod._buffers, mod._modules, mod._non_persistent_buffers_set)]
+        self._sizes = list(map(len, self._dicts))
         self._shapes = [(t, t.dtype, getattr(t, "ds_shape", t.shape)) for it in items for t in it.sources]
         return items
 
-    def _still(self, module: torch.nn.Module) -> bool:
-        return (_tree(module)[1] == self._tree[1]
+    def _still(self) -> bool:
+        return (_STRUCTURE[0] == self._seen and list(map(len, self._dicts)) == self._sizes
                 and all(t.dtype == d and getattr(t, "ds_shape", t.shape) == s for t, d, s in self._shapes))
 
 
-def _tree(module: torch.nn.Module) -> tuple[list[torch.nn.Module], list[tuple]]:
-    """The modules in ``_walk``'s order and, per module, what ``plan`` read of it: its id, the
-    names of its children, its parameters' and buffers' names and ids, how many buffers are
-    non-persistent."""
-    mods = [mod for _, mod in _preorder(module)]
-    return mods, [(id(mod), tuple(mod._modules), tuple(mod._parameters), tuple(map(id, mod._parameters.values())),
-                   tuple(mod._buffers), tuple(map(id, mod._buffers.values())), len(mod._non_persistent_buffers_set))
-                  for mod in mods]
+_STRUCTURE = [0, False]  # registrations of parameters, buffers and modules anywhere seen; hooks installed
+
+
+def _watch_structure() -> None:
+    """Count every parameter, buffer and child module registered or assigned on any module from
+    now on (torch's global registration hooks, installed once per process)."""
+    if _STRUCTURE[1]:
+        return
+    from torch.nn.modules import module as torch_module  # noqa: PLC0415
+
+    def changed(*_: Any) -> None:
+        _STRUCTURE[0] += 1
+
+    torch_module.register_module_parameter_registration_hook(changed)
+    torch_module.register_module_buffer_registration_hook(changed)
+    torch_module.register_module_module_registration_hook(changed)
+    _STRUCTURE[1] = True
 
 
 def _preorder(module: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Module]]:

@@ -162,6 +162,18 @@ class SyncReport:
     engine_seconds: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
+@dataclass(frozen=True, slots=True)
+class _Layout:
+    """What a sync's header and buffers take from the plan (made once per kept plan)."""
+
+    sizes: list[int]  # tensors per bucket
+    largest: int  # bytes of the largest bucket
+    total: int  # bytes of every bucket together
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+
+
 class WeightSender:
     """Sends one trained model's weights to a rollout daemon, one version per ``sync``."""
 
@@ -190,6 +202,7 @@ class WeightSender:
         self._peers: PeerReads | None = None
         self._kept = Kept()  # rank 0's grids and views, from one sync to the next
         self._plan = Planner()  # the tensors to send, kept while the model's stay the same
+        self._laid: tuple[Any, list[Item], _Layout] | None = None  # (key, the plan it is of, its layout)
         self._coalesce = config.gather == "coalesced"
         self._closed = False
 
@@ -242,7 +255,7 @@ class WeightSender:
     # ------------------------------------------------------------------ transports
 
     def _sync_collective(self, version: int, items: list[Item], canary: np.ndarray | None) -> tuple:
-        sizes = plan_buckets([it.nbytes for it in items], self.config.bucket_bytes)
+        sizes = self._layout(items).sizes
         transfer, err, announced = None, None, time.perf_counter()
         if self._is_main:
             try:
@@ -282,7 +295,7 @@ class WeightSender:
             "answer_seconds": max(0.0, transfer.answered_at - transfer.sent_at)}
 
     def _sync_inline(self, version: int, items: list[Item], canary: np.ndarray | None) -> tuple:
-        sizes = plan_buckets([it.nbytes for it in items], self.config.bucket_bytes)
+        sizes = self._layout(items).sizes
         tensors: list[torch.Tensor] = []
         start = time.perf_counter()
         if self._is_main or self._zero3:
@@ -303,7 +316,7 @@ class WeightSender:
         return answer, 1, gather_s, send_s
 
     def _sync_ipc(self, version: int, items: list[Item], canary: np.ndarray | None) -> tuple:
-        sizes = plan_buckets([it.nbytes for it in items], self.config.bucket_bytes)
+        sizes = self._layout(items).sizes
         spans: list[tuple[int, int]] = []  # (offset, bytes) of each bucket in the buffer
         failed: list[Exception] = []  # a packing error: finish the walk (the other ranks' gathers), then fail
         start = time.perf_counter()
@@ -418,14 +431,27 @@ class WeightSender:
         if canary is not None:
             extra = {"canary_token_ids": np.asarray(self.config.canary_token_ids, dtype=np.int32),
                      "canary_logprobs": canary, "canary_tolerance": self._canary_tolerance(items)}
-        return WeightUpdate(version=version, names=[it.name for it in items], dtypes=[it.dtype_name for it in items],
-                            shapes=[list(it.shape) for it in items], transport=self.config.transport,
+        laid = self._layout(items)  # its lists are shared from one header to the next: never changed
+        return WeightUpdate(version=version, names=laid.names, dtypes=laid.dtypes, shapes=laid.shapes,
+                            transport=self.config.transport,
                             bucket_sizes=list(sizes), group=group or {}, tensors=list(tensors),
                             ipc_handles=list(handles), **extra)
 
+    def _layout(self, items: list[Item]) -> _Layout:
+        """``items``' buckets and header lists, made again only for another plan (the kept
+        plan is the same list from one sync to the next) or another bucket size."""
+        key = (id(items), self.config.bucket_bytes)
+        if self._laid is None or self._laid[0] != key:
+            sizes = plan_buckets([it.nbytes for it in items], self.config.bucket_bytes)
+            per = [bucket_bytes(items[lo:hi]) for lo, hi in bucket_ranges(sizes, len(items))]
+            laid = _Layout(sizes=sizes, largest=max(per, default=0), total=sum(per), names=[it.name for it in items],
+                           dtypes=[it.dtype_name for it in items], shapes=[list(it.shape) for it in items])
+            self._laid = (key, items, laid)  # holding the plan: its id is not handed out again meanwhile
+        return self._laid[2]
+
     def _buffers_for(self, items: list[Item], sizes: list[int]) -> list[torch.Tensor]:
         """Two buffers, each large enough for the largest bucket (kept for the next sync)."""
-        need = max((bucket_bytes(items[lo:hi]) for lo, hi in bucket_ranges(sizes, len(items))), default=0)
+        need = self._layout(items).largest
         if len(self._buffers) != 2 or self._buffers[0].numel() < need:
             pin = self._device.type == "cpu" and torch.cuda.is_available()  # faster copies from the GPU
             self._buffers = []
@@ -456,7 +482,7 @@ class WeightSender:
 
     def _ipc_buffer_for(self, items: list[Item], sizes: list[int]) -> torch.Tensor:
         """One GPU buffer holding every bucket back to back (kept for the next sync)."""
-        need = sum(bucket_bytes(items[lo:hi]) for lo, hi in bucket_ranges(sizes, len(items)))
+        need = self._layout(items).total
         if self._ipc_buffer is None or self._ipc_buffer.numel() < need:
             self._ipc_buffer = None  # free the old one first (a full model copy), and the views into it
             self._kept.clear()
