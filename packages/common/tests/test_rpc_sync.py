@@ -145,3 +145,24 @@ def test_client_whose_loop_ended_is_closed():
         assert client.closed
         with pytest.raises(ServiceClosed):
             asyncio.run(client.call("echo", Ack()))
+
+
+def test_loop_thread_submit_returns_at_once_and_refuses_once_stopped():
+    home = LoopThread()
+    gate = threading.Event()
+
+    async def wait_for_gate() -> str:
+        await asyncio.to_thread(gate.wait)
+        return "done"
+
+    try:
+        fut = home.submit(wait_for_gate())
+        assert not fut.done()  # the caller was not made to wait
+        gate.set()
+        assert fut.result(timeout=10) == "done"
+    finally:
+        home.stop()
+    coro = wait_for_gate()
+    with pytest.raises(ServiceClosed):
+        home.submit(coro)
+    assert coro.cr_frame is None  # closed, not left to warn "never awaited"

@@ -414,3 +414,17 @@ def test_planner_keeps_the_plan_until_a_tensor_it_names_changes():
     replanned(lambda: model.__setitem__(1, torch.nn.LayerNorm(4)))  # a child replaced
     assert "scale" not in replanned(lambda: model._non_persistent_buffers_set.add("scale"))
     assert [it.sources[0] for it in planner(model)][0] is model[0].weight  # the current objects
+
+
+def test_a_transfer_whose_client_is_closed_answers_with_the_error_at_once():
+    from treadle.common.errors import ServiceClosed
+    from treadle.trainer.weights.transfer import Transfer
+
+    class Closed:  # the rollout client after close(): submit refuses
+        def submit(self, *args: Any, **kwargs: Any) -> Any:
+            raise ServiceClosed("the event-loop thread has stopped")
+
+    t = Transfer(Closed(), None, None, 1, [torch.zeros(4, dtype=torch.uint8)])
+    assert not t.wait_accepted()  # answered without accepting: nothing is broadcast
+    answer, err = t.result()
+    assert answer is None and isinstance(err, ServiceClosed) and t.buffer() is None

@@ -25,6 +25,7 @@ Light on purpose: imports neither torch, vLLM nor transformers (tools/check_impo
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import math
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any, Literal, TypeVar
@@ -244,6 +245,11 @@ class SyncRolloutClient:
         finally:
             if self._lt.alive:
                 self._run(agen.aclose())
+
+    def submit(self, name: str, *args: Any, **kwargs: Any) -> concurrent.futures.Future[Any]:
+        """Start the ``RolloutClient`` method ``name`` on the loop without waiting: its future
+        (a caller that must not block, and must not start a thread only to wait)."""
+        return self._lt.submit(getattr(self._client, name)(*args, **kwargs))
 
     def __getattr__(self, name: str) -> Any:
         """prompt_logprobs, abort, update_weights, join_weight_group, sleep, wake, stats, ..."""

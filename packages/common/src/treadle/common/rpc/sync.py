@@ -76,6 +76,13 @@ class LoopThread:
             fut.cancel()
             raise
 
+    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        """Start ``coro`` on the loop without waiting: its future."""
+        if not self.alive:
+            coro.close()
+            raise ServiceClosed("the event-loop thread has stopped")
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
     def stop(self, timeout: float = 10.0) -> None:
         """Stop the loop (pending tasks are cancelled) and join the thread."""
         if self.alive:

@@ -169,6 +169,7 @@ class _Layout:
     sizes: list[int]  # tensors per bucket
     largest: int  # bytes of the largest bucket
     total: int  # bytes of every bucket together
+    nbytes: int  # bytes of the tensors (``total`` less the alignment padding)
     names: list[str]
     dtypes: list[str]
     shapes: list[list[int]]
@@ -197,6 +198,7 @@ class WeightSender:
         self._device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
         self._group: WeightGroup | None = None
         self._buffers: list[torch.Tensor] = []
+        self._stream: Any = None  # rank 0, GPU: the CUDA stream the broadcasts run on
         self._ipc_buffer: torch.Tensor | None = None
         self._outcomes: Any = False  # the gloo group outcomes are shared over; False: not made yet
         self._peers: PeerReads | None = None
@@ -218,7 +220,7 @@ class WeightSender:
         run = {"inline": self._sync_inline, "cuda_ipc": self._sync_ipc}.get(self.config.transport, self._sync_collective)
         answer, buckets, gather_s, send_s, *phases = run(version, items, canary)
         answer = answer or {}
-        report = SyncReport(version=version, tensors=len(items), bytes=sum(it.nbytes for it in items),
+        report = SyncReport(version=version, tensors=len(items), bytes=self._layout(items).nbytes,
                             buckets=buckets, seconds=time.perf_counter() - start, gather_seconds=gather_s,
                             send_seconds=send_s, **(phases[0] if phases else {}), updated=list(answer.get("updated", [])),
                             failed=sorted(answer.get("failed", {})),
@@ -390,7 +392,9 @@ class WeightSender:
         if self._group is None:
             self._join()
         update = self._header(version, items, canary, sizes=sizes, group=self._group.spec.as_dict())
-        return Transfer(self._client, update, self._group, len(sizes), buffers, self.config.mode)
+        if self._stream is None and buffers and buffers[0].is_cuda:
+            self._stream = torch.cuda.Stream(buffers[0].device)  # made once: the broadcasts' stream
+        return Transfer(self._client, update, self._group, len(sizes), buffers, self.config.mode, self._stream)
 
     def _accepted(self, transfer: Transfer, version: int, items: list[Item], sizes: list[int],
                   canary: np.ndarray | None) -> Transfer:
@@ -444,7 +448,8 @@ class WeightSender:
         if self._laid is None or self._laid[0] != key:
             sizes = plan_buckets([it.nbytes for it in items], self.config.bucket_bytes)
             per = [bucket_bytes(items[lo:hi]) for lo, hi in bucket_ranges(sizes, len(items))]
-            laid = _Layout(sizes=sizes, largest=max(per, default=0), total=sum(per), names=[it.name for it in items],
+            laid = _Layout(sizes=sizes, largest=max(per, default=0), total=sum(per),
+                           nbytes=sum(it.nbytes for it in items), names=[it.name for it in items],
                            dtypes=[it.dtype_name for it in items], shapes=[list(it.shape) for it in items])
             self._laid = (key, items, laid)  # holding the plan: its id is not handed out again meanwhile
         return self._laid[2]

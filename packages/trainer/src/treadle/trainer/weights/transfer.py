@@ -1,7 +1,9 @@
 """Rank 0's side of one collective weight update, and how a sync's outcome reaches every rank.
 
-``Transfer`` runs the daemon call (``update_weights``) in a thread; once the daemon has
-accepted, the rollout client runs ``Transfer``'s broadcast loop in its own thread, which sends
+``Transfer`` starts the daemon call (``update_weights``) on the rollout client's event loop
+(no thread of its own: a thread started per sync cost its start and one more hop before the
+request left); once the daemon has accepted, the rollout client runs ``Transfer``'s broadcast
+loop in a thread, which sends
 the buckets that rank 0's gather hands over with ``put``. Two buffers circulate between them
 (``buffer`` -> ``put`` -> broadcast -> free again): packing bucket k+1 overlaps broadcasting
 bucket k, and memory stays at two buckets. GPU buffers are handed over with CUDA events, never
@@ -21,6 +23,7 @@ Not here: gathering and packing (``gather``), the daemon's protocol choices (``s
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import queue
 import threading
@@ -100,27 +103,33 @@ class Transfer:
     """One collective update in flight on rank 0 (see the module docstring)."""
 
     def __init__(self, client: Any, update: WeightUpdate, group: WeightGroup, buckets: int,
-                 buffers: list[torch.Tensor], mode: str = "wait") -> None:
-        self._client, self._update, self._group, self._buckets = client, update, group, buckets
-        self._mode = mode
+                 buffers: list[torch.Tensor], mode: str = "wait", stream: Any = None) -> None:
+        """``stream``: the CUDA stream the broadcasts run on (GPU buffers; None: a new one)."""
+        self._group, self._buckets = group, buckets
         self._ready: queue.Queue[tuple[torch.Tensor, torch.Tensor, Any] | None] = queue.Queue()
         self._free: queue.Queue[tuple[torch.Tensor, Any]] = queue.Queue()  # (buffer, its broadcast's event)
         for b in buffers:
             self._free.put((b, None))
-        self._stream = torch.cuda.Stream(buffers[0].device) if buffers and buffers[0].is_cuda else None
+        on_gpu = bool(buffers) and buffers[0].is_cuda
+        self._stream = (stream or torch.cuda.Stream(buffers[0].device)) if on_gpu else None
         self.accepted, self.finished, self.broken = threading.Event(), threading.Event(), threading.Event()
         self.sent, self.send_seconds = 0, 0.0
         self.accepted_at = self.sent_at = self.answered_at = 0.0  # perf_counter() when the daemon accepted /
         # the last byte was sent / the daemon answered
         self.answer: dict[str, Any] | None = None
         self.error: BaseException | None = None
-        self._thread = threading.Thread(target=self._call, name="weight-update", daemon=True)
-        self._thread.start()
-
-    def _call(self) -> None:
         try:
-            self.answer = self._client.update_weights(self._update, send=self._send, mode=self._mode)
-        except Exception as e:
+            call = client.submit("update_weights", update, send=self._send, mode=mode)
+        except Exception as e:  # the client is closed: an answer that is an error
+            call = concurrent.futures.Future()
+            call.set_exception(e)
+        call.add_done_callback(self._answered)
+
+    def _answered(self, call: concurrent.futures.Future[Any]) -> None:
+        """The daemon call ended (on the client's loop, or here if it never started)."""
+        try:
+            self.answer = call.result()
+        except BaseException as e:  # noqa: BLE001 - cancelled included: the sync must not hang
             self.error = self.error or e  # a local failure (``fail``) explains more than its echo
         finally:
             self.answered_at = time.perf_counter()
@@ -193,5 +202,5 @@ class Transfer:
 
     def result(self) -> tuple[dict[str, Any] | None, BaseException | None]:
         """The daemon's answer or the error, once the call has ended."""
-        self._thread.join()
+        self.finished.wait()
         return self.answer, self.error
