@@ -204,7 +204,7 @@ class WeightSender:
         self._peers: PeerReads | None = None
         self._kept = Kept()  # rank 0's grids and views, from one sync to the next
         self._plan = Planner()  # the tensors to send, kept while the model's stay the same
-        self._laid: tuple[Any, list[Item], _Layout] | None = None  # (key, the plan it is of, its layout)
+        self._laid: dict[Any, tuple[list[Item], _Layout]] = {}  # (id(plan), bucket bytes) -> (plan, layout)
         self._coalesce = config.gather == "coalesced"
         self._closed = False
 
@@ -442,17 +442,20 @@ class WeightSender:
                             ipc_handles=list(handles), **extra)
 
     def _layout(self, items: list[Item]) -> _Layout:
-        """``items``' buckets and header lists, made again only for another plan (the kept
-        plan is the same list from one sync to the next) or another bucket size."""
+        """``items``' buckets and header lists, made once per plan (the kept plan is the same
+        list from one sync to the next) and bucket size; a few are kept (a sender whose bucket
+        size changes back and forth, as the GPU bench's does, does not remake them)."""
         key = (id(items), self.config.bucket_bytes)
-        if self._laid is None or self._laid[0] != key:
+        if key not in self._laid:
+            if len(self._laid) >= 4:  # older plans (a new plan is a new list) or bucket sizes
+                self._laid = {}
             sizes = plan_buckets([it.nbytes for it in items], self.config.bucket_bytes)
             per = [bucket_bytes(items[lo:hi]) for lo, hi in bucket_ranges(sizes, len(items))]
             laid = _Layout(sizes=sizes, largest=max(per, default=0), total=sum(per),
                            nbytes=sum(it.nbytes for it in items), names=[it.name for it in items],
                            dtypes=[it.dtype_name for it in items], shapes=[list(it.shape) for it in items])
-            self._laid = (key, items, laid)  # holding the plan: its id is not handed out again meanwhile
-        return self._laid[2]
+            self._laid[key] = (items, laid)  # holding the plan: its id is not handed out again meanwhile
+        return self._laid[key][1]
 
     def _buffers_for(self, items: list[Item], sizes: list[int]) -> list[torch.Tensor]:
         """Two buffers, each large enough for the largest bucket (kept for the next sync)."""
