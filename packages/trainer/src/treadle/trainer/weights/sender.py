@@ -114,7 +114,7 @@ class SenderConfig:
     peer_reads: bool = True  # collective transport, ZeRO-3 on GPUs of one host: rank 0 copies the other
     # ranks' partitions itself over CUDA IPC (its copy engine; nothing runs on their GPUs, where an
     # engine may be receiving) instead of NCCL gathers, and packs while the daemon accepts; gathers
-    # where it cannot, saying why once (``weights.peers``). On 2xH200: 14.3 ms against 22.1 ms a
+    # where it cannot, saying why once (``weights.peers``). On 2xH200: 13.6 ms against 22.3 ms a
     # 1.5B sync (docs/benchmarks.md)
 
     def __post_init__(self) -> None:
