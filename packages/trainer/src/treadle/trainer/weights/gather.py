@@ -155,7 +155,7 @@ class Planner:
     """``plan``, kept from one call to the next (the sender plans at every sync) while nothing it
     was made from changed. Each call checks that without walking the module tree: no module
     anywhere got a parameter, buffer or child registered or assigned since (torch's global
-    registration hooks count them: ``_structure_changes``), every module of the tree still has
+    registration hooks count them: ``_watch_structure``), every module of the tree still has
     as many parameters, buffers, children and non-persistent buffers (a ``del`` is not a
     registration), and every sent tensor keeps its dtype and shape. Not seen: entries written
     into a module's ``_parameters`` / ``_buffers`` / ``_modules`` dicts directly, bypassing

@@ -3,11 +3,11 @@
 ``Transfer`` starts the daemon call (``update_weights``) on the rollout client's event loop
 (no thread of its own: a thread started per sync cost its start and one more hop before the
 request left); once the daemon has accepted, the rollout client runs ``Transfer``'s broadcast
-loop in a thread, which sends
-the buckets that rank 0's gather hands over with ``put``. Two buffers circulate between them
-(``buffer`` -> ``put`` -> broadcast -> free again): packing bucket k+1 overlaps broadcasting
-bucket k, and memory stays at two buckets. GPU buffers are handed over with CUDA events, never
-a host wait: the broadcasts run on a stream of their own that waits for the packing's event,
+loop in a thread, which sends the buckets that rank 0's gather hands over with ``put``. Two
+buffers circulate between them (``buffer`` -> ``put`` -> broadcast -> free again): packing
+bucket k+1 overlaps broadcasting bucket k, and memory stays at two buckets. GPU buffers are
+handed over with CUDA events, never a host wait: the broadcasts run on a stream of their own
+(kept by the sender from one sync to the next) that waits for the packing's event,
 and a freed buffer carries the event of its broadcast, which the packing stream waits for
 before writing into it again; so gathering and packing the next bucket are never queued behind
 a broadcast, and the host keeps enqueueing.
@@ -129,7 +129,9 @@ class Transfer:
         """The daemon call ended (on the client's loop, or here if it never started)."""
         try:
             self.answer = call.result()
-        except BaseException as e:  # noqa: BLE001 - cancelled included: the sync must not hang
+        except concurrent.futures.CancelledError:  # the client's loop stopped under the call
+            self.error = self.error or WeightSyncFailed("the rollout client's call was cancelled (client closed)")
+        except Exception as e:
             self.error = self.error or e  # a local failure (``fail``) explains more than its echo
         finally:
             self.answered_at = time.perf_counter()
