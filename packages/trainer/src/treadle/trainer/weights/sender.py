@@ -323,7 +323,7 @@ class WeightSender:
         failed: list[Exception] = []  # a packing error: finish the walk (the other ranks' gathers), then fail
         start = time.perf_counter()
         if self._is_main or self._zero3:
-            buffer = self._ipc_buffer_for(items, sizes) if self._is_main else None
+            buffer = self._ipc_buffer_for(items) if self._is_main else None
             offsets = dict(zip(bucket_ranges(sizes, len(items)), _running(sizes, items), strict=True))
 
             def dest(lo: int, hi: int) -> torch.Tensor:
@@ -388,7 +388,7 @@ class WeightSender:
     def _announce(self, version: int, items: list[Item], sizes: list[int], canary: np.ndarray | None) -> Transfer:
         """Send the update's header (joining the group first when there is none); the daemon
         accepts in the background (``_accepted``)."""
-        buffers = self._buffers_for(items, sizes)
+        buffers = self._buffers_for(items)
         if self._group is None:
             self._join()
         update = self._header(version, items, canary, sizes=sizes, group=self._group.spec.as_dict())
@@ -457,7 +457,7 @@ class WeightSender:
             self._laid[key] = (items, laid)  # holding the plan: its id is not handed out again meanwhile
         return self._laid[key][1]
 
-    def _buffers_for(self, items: list[Item], sizes: list[int]) -> list[torch.Tensor]:
+    def _buffers_for(self, items: list[Item]) -> list[torch.Tensor]:
         """Two buffers, each large enough for the largest bucket (kept for the next sync)."""
         need = self._layout(items).largest
         if len(self._buffers) != 2 or self._buffers[0].numel() < need:
@@ -488,7 +488,7 @@ class WeightSender:
         pull = prepare_pulls(items, sizes, self._peers, zero3=True, main=self._is_main, kept=self._kept)
         return self._peers if pull else None
 
-    def _ipc_buffer_for(self, items: list[Item], sizes: list[int]) -> torch.Tensor:
+    def _ipc_buffer_for(self, items: list[Item]) -> torch.Tensor:
         """One GPU buffer holding every bucket back to back (kept for the next sync)."""
         need = self._layout(items).total
         if self._ipc_buffer is None or self._ipc_buffer.numel() < need:

@@ -104,14 +104,16 @@ class Transfer:
 
     def __init__(self, client: Any, update: WeightUpdate, group: WeightGroup, buckets: int,
                  buffers: list[torch.Tensor], mode: str = "wait", stream: Any = None) -> None:
-        """``stream``: the CUDA stream the broadcasts run on (GPU buffers; None: a new one)."""
+        """``stream``: the CUDA stream the broadcasts run on (GPU buffers; the sender's, kept)."""
         self._group, self._buckets = group, buckets
         self._ready: queue.Queue[tuple[torch.Tensor, torch.Tensor, Any] | None] = queue.Queue()
         self._free: queue.Queue[tuple[torch.Tensor, Any]] = queue.Queue()  # (buffer, its broadcast's event)
         for b in buffers:
             self._free.put((b, None))
         on_gpu = bool(buffers) and buffers[0].is_cuda
-        self._stream = (stream or torch.cuda.Stream(buffers[0].device)) if on_gpu else None
+        if on_gpu and stream is None:
+            raise ValueError("a Transfer of GPU buffers needs the CUDA stream its broadcasts run on")
+        self._stream = stream if on_gpu else None
         self.accepted, self.finished, self.broken = threading.Event(), threading.Event(), threading.Event()
         self.sent, self.send_seconds = 0, 0.0
         self.accepted_at = self.sent_at = self.answered_at = 0.0  # perf_counter() when the daemon accepted /
