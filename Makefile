@@ -45,12 +45,16 @@ $(TINY)/config.json: tools/make_tiny_model.py tools/tiny_model.py tools/data/cor
 $(SMALL)/config.json: tools/make_tiny_model.py tools/tiny_model.py tools/data/corpus.txt
 	$(PY) tools/make_tiny_model.py --preset small --out $(SMALL)
 
+# Tests run with their own TMPDIR, removed afterwards: vLLM leaves its ZeroMQ ipc sockets and
+# dist-init files in the temporary directory, hundreds per run, which piled up in /tmp.
+IN_TMP = tmp=$$(mktemp -d /tmp/treadle-test.XXXXXX) && trap 'rm -rf "$$tmp"' EXIT && TMPDIR=$$tmp
+
 test: $(STAMP)
 	$(PY) tools/check_imports.py
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "not slow and not gpu and not bench and not chaos" -p no:randomly
+	$(IN_TMP) OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "not slow and not gpu and not bench and not chaos" -p no:randomly
 
 test-slow: $(STAMP)
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "slow and not gpu"
+	$(IN_TMP) OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "slow and not gpu"
 
 # Faults, fuzzing, load and security across the daemons; figures printed and in .cache/chaos/.
 chaos: $(STAMP)
