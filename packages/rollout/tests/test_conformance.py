@@ -319,3 +319,90 @@ def test_collective_receive_is_bit_identical(subject, ref, tools):
         subject.aio(subject.engine.leave_weight_group())
         sender[0].close()
         subject.restore()
+
+
+def test_armed_receive_goes_on_the_signal_stands_down_or_lets_go(subject, ref, tools):
+    """``arm_weights``: requests wait while armed; on "go" the buckets are received before the
+    update's request arrives, which then only finishes the load; "no", the timeout or leaving
+    the group reopen the gate with the weights untouched, and the update is received as usual."""
+    b = tools.checkpoint(subject.model_b)
+    names, tensors = list(b), list(b.values())
+    spec = GroupSpec(host="127.0.0.1", port=tools.free_port(), world_size=2, rank=0, timeout_s=60)
+    sender: list[WeightGroup] = []
+    joining = threading.Thread(target=lambda: sender.append(WeightGroup(spec)))
+    joining.start()
+    subject.aio(subject.engine.join_weight_group(spec.with_rank(1).as_dict()))
+    joining.join(30)
+
+    def collective(version, bucket_bytes):
+        return WeightUpdate(version=version, names=names, dtypes=["float32"] * len(names),
+                            shapes=[list(x.shape) for x in tensors], transport="collective",
+                            bucket_sizes=plan_buckets([x.numel() * 4 for x in tensors], bucket_bytes))
+
+    def send(update, go=None):
+        def run():
+            if go is not None:
+                sender[0].signal(update.version, go)
+            send_buckets(sender[0], tensors, update.bucket_sizes)
+        t = threading.Thread(target=run)
+        t.start()
+        return t
+
+    async def armed_then(arm, update, go):
+        await subject.engine.arm_weights(arm)
+        waiting = asyncio.ensure_future(collect(subject.engine, request(PROMPTS[1], max_tokens=2)))
+        await asyncio.sleep(0.3)
+        assert not waiting.done() and subject.engine.stats().paused  # requests wait while armed
+        t = send(update, go) if go else None
+        if go is False:
+            sender[0].signal(arm.version, False)
+            await asyncio.sleep(0.1)
+            t = send(update)
+        version = await subject.engine.receive_weights(update)
+        return version, await waiting, t
+
+    v0 = subject.engine.weight_version
+    try:
+        if not subject.engine.arms:
+            with pytest.raises(BadRequest, match="cannot arm"):
+                subject.aio(subject.engine.arm_weights(collective(v0 + 1, 64 << 10)))
+            assert not subject.engine.stats().paused
+            return
+        upd = collective(v0 + 1, 64 << 10)
+        version, results, t = subject.aio(armed_then(upd, upd, go=True))
+        t.join(30)
+        assert version == v0 + 1 and results[0].weight_version == v0 + 1
+        assert "signalled" in subject.engine.last_load  # received on the signal, before the request
+        got = subject.aio(subject.engine.prompt_logprobs(PROMPTS[2]))
+        assert np.abs(got - tools.prompt_logprobs(ref["b"], PROMPTS[2])).max() <= TOL
+        subject.restore()  # inline: the base weights again (version v0 + 2)
+        # The sender's plan changed after arming: "no" reopens the gate (the waiting request runs
+        # on the weights it has), then the update comes as usual with another header.
+        armed, other = collective(v0 + 3, 64 << 10), collective(v0 + 3, 16 << 10)
+        version, results, t = subject.aio(armed_then(armed, other, go=False))
+        t.join(30)
+        assert version == v0 + 3 and results[0].weight_version == v0 + 2
+        assert "signalled" not in subject.engine.last_load and not subject.engine.stats().broken
+        got = subject.aio(subject.engine.prompt_logprobs(PROMPTS[2]))
+        assert np.abs(got - tools.prompt_logprobs(ref["b"], PROMPTS[2])).max() <= TOL
+        # No signal within the timeout: disarmed, gate open, nothing changed.
+        async def armed_until_timeout():
+            await subject.engine.arm_weights(collective(v0 + 4, 64 << 10), timeout_s=3.0)
+            with pytest.raises(BadRequest, match="armed"):
+                await subject.engine.sleep()
+            for _ in range(200):
+                if not subject.engine.stats().paused:
+                    return
+                await asyncio.sleep(0.1)
+
+        subject.aio(armed_until_timeout())
+        assert not subject.engine.stats().paused and not subject.engine.stats().broken
+        assert run(subject, request(PROMPTS[1], max_tokens=2))[0].weight_version == v0 + 3
+    finally:
+        # Leaving the group disarms too (an armed engine would otherwise wait for the signal).
+        if subject.engine.arms and subject.engine._group is not None:
+            subject.aio(subject.engine.arm_weights(collective(subject.engine.weight_version + 1, 64 << 10)))
+        subject.aio(subject.engine.leave_weight_group())
+        assert not subject.engine.stats().paused and not subject.engine.stats().broken
+        sender[0].close()
+        subject.restore()

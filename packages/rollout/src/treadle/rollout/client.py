@@ -173,6 +173,12 @@ class RolloutClient:
     async def leave_weight_group(self) -> None:
         await self._call("leave_weight_group")
 
+    async def arm_weights(self, update: WeightUpdate) -> dict[str, Any]:
+        """Have the engines get ready for ``update`` (collective, the next version; canary left
+        out) before it is sent: they pause and wait for the sender's ``WeightGroup.signal``
+        (``Engine.arm_weights``). Returns ``{"version", "armed", "failed"}``."""
+        return dict((await self._call("arm_weights", update)).args)
+
     # ------------------------------------------------------------------ control
 
     async def sleep(self, level: int = 1) -> dict[str, Any]:

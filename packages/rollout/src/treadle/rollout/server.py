@@ -10,6 +10,9 @@ Methods (records of ``treadle.common.records``; errors come back as typed ``Erro
     join_weight_group (stream)   Control(args={host, port, backend, timeout_s})
                                  -> Control("accepted", world_size, ...), Control("joined")
     leave_weight_group           -> Ack
+    arm_weights                  WeightUpdate (collective, the next version) -> Control("armed",
+                                 version, armed, failed): the engines pause and wait for the
+                                 sender's signal (``Engine.arm_weights``)
     sleep / wake / reset_prefix_cache / weight_digest -> Control(args={engine id: answer})
     scale                        Control(args={"engines": M}) -> Control(args={added, removed})
     health / stats               -> Control(args=...)
@@ -83,6 +86,7 @@ class RolloutServer:
             "generate": self.generate, "prompt_logprobs": self.prompt_logprobs, "abort": self.abort,
             "update_weights": self.update_weights, "update_weights_abort": self.update_weights_abort,
             "join_weight_group": self.join_weight_group, "leave_weight_group": self.leave_weight_group,
+            "arm_weights": self.arm_weights,
             "sleep": self.sleep, "wake": self.wake, "reset_prefix_cache": self.reset_prefix_cache,
             "weight_digest": self.weight_digest, "scale": self.scale, "health": self.health,
             "stats": self.stats,
@@ -189,6 +193,9 @@ class RolloutServer:
 
     async def leave_weight_group(self, msg: Any, ctx: Any) -> None:
         await self.pool.weights.leave()
+
+    async def arm_weights(self, msg: Any, ctx: Any) -> Control:
+        return Control(op="armed", args=await self.pool.weights.arm(_expect(msg, WeightUpdate)))
 
     # ------------------------------------------------------------------ control
 

@@ -150,22 +150,47 @@ class WeightCoordinator:
             replies = await asyncio.gather(*(h.call(method, update) for h in targets), return_exceptions=True)
             return self._settle(update, targets, replies, lambda: update if update.transport == "inline" else None)
 
+    def _group_for(self, update: WeightUpdate) -> Group:
+        """The group a collective ``update`` goes over; raises what refuses it."""
+        g = self.group
+        if g is None:
+            raise BadRequest("no weight group: call join_weight_group before a collective update")
+        if self.stale_reason():
+            raise tagged(WeightGroupStale, f"{self.stale_reason()}. Close the sender's group, call "
+                                           "join_weight_group again (new world size) and resend")
+        if update.group and _endpoint(update.group) != _endpoint(g.spec):
+            # another sender joined since this one did: its broadcasts would go to a group
+            # nobody here listens to, and the engines would wait for the other sender's
+            raise tagged(WeightGroupStale, f"this update names the weight group at {_endpoint(update.group)}, the "
+                                           f"pool is in the group at {_endpoint(g.spec)} (another sender joined "
+                                           "since). Close the sender's group, join again and resend")
+        self.check(update, "collective")
+        return g
+
+    async def arm(self, update: WeightUpdate) -> dict[str, Any]:
+        """Arm every member for ``update`` (``Engine.arm_weights``: the next collective update,
+        sent later); returns ``{"version", "armed": [engine ids], "failed": {id: why}}``, or
+        raises the first refusal when none armed. Refused when the front end keeps weights as a
+        member (gloo): it receives only with the update's request, which every broadcast would
+        wait for, so arming would gain nothing."""
+        async with self.lock:
+            g = self._group_for(update)
+            if g.keeper_rank > 0:
+                raise BadRequest("the daemon cannot arm a weight receive: its front end keeps the weights as a "
+                                 "member of this gloo group and receives only with the update (--no_keep_weights "
+                                 "or NCCL to arm)")
+            members = [self.pool.handles[i] for i in g.members]
+            replies = await asyncio.gather(*(h.call("arm_weights", update) for h in members), return_exceptions=True)
+        failed = {h.engine_id: r for h, r in zip(members, replies, strict=True) if isinstance(r, BaseException)}
+        if len(failed) == len(members):
+            raise next(iter(failed.values()))
+        return {"version": update.version, "armed": [h.engine_id for h in members if h.engine_id not in failed],
+                "failed": {k: str(v) for k, v in failed.items()}}
+
     async def update_collective(self, update: WeightUpdate, mode: str) -> AsyncIterator[Control]:
         """Receive ``update``'s buckets on every member (and the keeper); yields accepted, updated."""
         async with self.lock:
-            g = self.group
-            if g is None:
-                raise BadRequest("no weight group: call join_weight_group before a collective update")
-            if self.stale_reason():
-                raise tagged(WeightGroupStale, f"{self.stale_reason()}. Close the sender's group, call "
-                                               "join_weight_group again (new world size) and resend")
-            if update.group and _endpoint(update.group) != _endpoint(g.spec):
-                # another sender joined since this one did: its broadcasts would go to a group
-                # nobody here listens to, and the engines would wait for the other sender's
-                raise tagged(WeightGroupStale, f"this update names the weight group at {_endpoint(update.group)}, the "
-                                               f"pool is in the group at {_endpoint(g.spec)} (another sender joined "
-                                               "since). Close the sender's group, join again and resend")
-            self.check(update, "collective")
+            g = self._group_for(update)
             members = [self.pool.handles[i] for i in g.members]
             yield Control(op="accepted", args={**g.spec, "rank": 0})
             method = "receive_weights_abort" if mode == "abort" else "receive_weights"

@@ -10,6 +10,7 @@ an ``ipc://`` (or loopback tcp) endpoint, one method per ``Engine`` method:
     update_weights[_abort]      WeightUpdate (inline or cuda_ipc) -> Control(args={"version"})
     join_weight_group           Control(args=GroupSpec fields) -> Ack
     receive_weights[_abort]     WeightUpdate (collective) -> Control(args={"version"})
+    arm_weights                 WeightUpdate (collective, the next one) -> Control(args={"version"})
     leave_weight_group, wake, reset_prefix_cache -> Ack
     sleep                       Control(args={"level"}) -> Control(args=SleepState fields)
     weight_digest               -> Control(args={"digest"})
@@ -82,7 +83,7 @@ class WorkerService:
             "generate": self.generate, "prompt_logprobs": self.prompt_logprobs, "abort": self.abort,
             "update_weights": self.update_weights, "update_weights_abort": self.update_weights_abort,
             "join_weight_group": self.join_weight_group, "receive_weights": self.receive_weights,
-            "receive_weights_abort": self.receive_weights_abort,
+            "receive_weights_abort": self.receive_weights_abort, "arm_weights": self.arm_weights,
             "leave_weight_group": self.leave_weight_group, "sleep": self.sleep, "wake": self.wake,
             "reset_prefix_cache": self.reset_prefix_cache, "weight_digest": self.weight_digest,
             "stats": self.stats, "health": self.stats, "close": self.close,
@@ -123,6 +124,11 @@ class WorkerService:
 
     async def receive_weights_abort(self, msg: Any, ctx: Any) -> Any:
         return await self.receive_weights(msg, ctx, mode="abort")
+
+    async def arm_weights(self, msg: Any, ctx: Any) -> Any:
+        update = _expect(msg, "WeightUpdate")
+        await self.engine.arm_weights(update)
+        return _control("arm_weights", version=update.version)
 
     async def leave_weight_group(self, msg: Any, ctx: Any) -> None:
         await self.engine.leave_weight_group()

@@ -13,7 +13,10 @@ Shared here, so every backend behaves alike:
   the old version first, ``mode="wait"``, or are aborted, ``mode="abort"``; never mixed);
 - the checks that refuse a bad update before the model is touched (``weights.WeightSpec``),
   monotonic versions, the canary, and the "broken" state after a failed load or canary;
-- request validation, per-sample accounting and ``stats()``.
+- request validation, per-sample accounting and ``stats()``;
+- armed receives (``arm_weights``, synchronous RL): the engine pauses while the trainer trains and
+  its backend waits for the sender's signal on the group's store, then receives with the header
+  it was armed with; the update's ``receive_weights`` only finishes the load (canary, version).
 
 Sampling contract: sample ``i`` of a request with ``seed=s`` uses seed ``s + i`` (vLLM's rule);
 greedy (``temperature == 0``) logprobs are the plain ``log_softmax`` of the logits. A sample ends
@@ -30,29 +33,49 @@ import asyncio
 import time
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
 import numpy as np
 
 from treadle.common.errors import BadRequest, Busy, EngineDead, ServiceClosed
+from treadle.common.log import get_logger
 from treadle.common.records import GenerateRequest, GenerateResult, WeightUpdate
-from treadle.rollout.engine.group import GroupSpec
+from treadle.rollout.engine.group import GroupSpec, NoSignal
 from treadle.rollout.engine.state import RATE_WINDOW_S, EngineStats, Rate, SleepState
 from treadle.rollout.engine.weights import (
     CanaryMismatch,
+    WeightMismatch,
     WeightSpec,
     as_tensor,
     bucket_ranges,
     canary_error,
 )
 
+log = get_logger(__name__)
 PauseMode = Literal["wait", "abort"]
+ARM_TIMEOUT_S = 6 * 3600.0  # an armed engine waits this long for the signal (a dead sender ends it at once)
+
+
+@dataclass(slots=True, kw_only=True)
+class _Armed:
+    """An engine armed for ``update`` (``Engine.arm_weights``)."""
+
+    update: WeightUpdate
+    load: asyncio.Future[bool]  # the backend's wait and receive: True received, False stood down
+    stamps: dict[str, float] = field(default_factory=dict)  # the backend's: "signalled" (and "loading")
+    expiry: asyncio.TimerHandle | None = None  # received, but the update never came: give up
+
+
+def _layout(u: WeightUpdate) -> tuple[Any, ...]:
+    return u.version, list(u.names), list(u.dtypes), [list(s) for s in u.shapes], list(u.bucket_sizes)
 
 
 class Engine(ABC):
     """One rollout engine; subclasses implement the ``_``-prefixed hooks below."""
 
     backend: ClassVar[str] = ""
+    arms: ClassVar[bool] = False  # the backend implements ``_arm``
 
     def __init__(self, *, engine_id: str, initial_version: int = 0) -> None:
         self.engine_id = engine_id
@@ -71,6 +94,8 @@ class Engine(ABC):
         self.last_load: dict[str, float] = {}
         self._sleep: SleepState | None = None
         self._group: GroupSpec | None = None
+        self._armed: _Armed | None = None
+        self._background: set[asyncio.Task[Any]] = set()
         self._tokens = self._samples = 0
         self._rate = Rate(RATE_WINDOW_S)
         self._spec: WeightSpec | None = None
@@ -201,6 +226,13 @@ class Engine(ABC):
         async with self._control:
             if self._group is None:
                 raise BadRequest(f"engine {self.engine_id} has no weight group: join_weight_group first")
+            armed, self._armed = self._armed, None
+            if armed is not None:
+                try:
+                    await self._finish_armed(armed, update, called)
+                finally:
+                    self._gate.set()
+                return self._version
             try:
                 self.check_update(update)
             except BadRequest:
@@ -209,11 +241,128 @@ class Engine(ABC):
             await self._swap(update, mode, lambda: self._receive(update), called)
             return self._version
 
+    async def arm_weights(self, update: WeightUpdate, *, timeout_s: float = ARM_TIMEOUT_S) -> None:
+        """Get ready for ``update`` (a collective one, the next version) before the sender starts it.
+
+        For synchronous RL, after a rollout and before training: the engine closes its gate
+        (in-flight samples finish first; new requests wait until the update is done) and its
+        backend waits for the sender's signal on the group's store (``WeightGroup.signal``). On
+        "go" it receives the buckets with this header's layout at once, so the first broadcast
+        does not wait for the update's request to travel trainer -> daemon -> engine. That
+        request (``receive_weights`` of the same version) then checks its header against this
+        one, waits for the receive, checks the canary and bumps the version. Disarmed, gate
+        reopened and weights untouched, by "no" (the sender's plan changed: the update comes
+        as usual), leaving the group, a dead sender or ``timeout_s`` without a signal; and
+        ``timeout_s`` after a receive whose request never came (then the engine is broken: its
+        weights changed without a version).
+        """
+        async with self._control:
+            if not self.arms:
+                raise BadRequest(f"the {self.backend} backend cannot arm a weight receive; send updates as usual")
+            if self._group is None:
+                raise BadRequest(f"engine {self.engine_id} has no weight group: join_weight_group first")
+            if (old := self._armed) is not None:
+                await asyncio.wait([old.load], timeout=5.0)  # the sender's "no" to it may be on its way
+                if self._armed is old:
+                    raise BadRequest(f"engine {self.engine_id} is already armed for weight version "
+                                     f"{old.update.version}")
+            if update.transport != "collective":
+                raise BadRequest(f"only a collective update can be armed, got transport {update.transport!r}")
+            self.check_update(update)
+            self._gate.clear()
+            try:
+                await self._drained.wait()
+                await self._pause()
+                stamps: dict[str, float] = {}
+                armed = _Armed(update=update, load=self._arm(update, timeout_s, stamps), stamps=stamps)
+            except BaseException:
+                await self._resume()
+                self._gate.set()
+                raise
+            self._armed = armed
+            armed.load.add_done_callback(lambda _: self._arm_ended(armed, timeout_s))
+
+    def _arm_ended(self, armed: _Armed, timeout_s: float) -> None:
+        """The backend's wait/receive ended before the update claimed it."""
+        if self._armed is not armed:
+            return  # claimed by ``receive_weights``, or disarmed
+        if armed.load.cancelled() or armed.load.exception() is not None or not armed.load.result():
+            self._armed = None  # no signal, or "no": serve on until the update comes as usual
+            self._later(self._disarm(armed, "the armed wait ended", locked=False))
+        else:  # received: the update's request is on its way, but not forever
+            armed.expiry = asyncio.get_running_loop().call_later(
+                timeout_s, lambda: self._later(self._expire(armed, timeout_s)))
+
+    def _later(self, coro: Any) -> None:
+        """Run ``coro`` in a task of its own, kept until it ends (the loop holds tasks weakly)."""
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _expire(self, armed: _Armed, timeout_s: float) -> None:
+        async with self._control:
+            if self._armed is armed:
+                self._armed = None
+                await self._disarm(armed, f"no update request within {timeout_s:g} s")
+
+    async def _disarm(self, armed: _Armed, why: str, *, locked: bool = True) -> None:
+        """Let go of ``armed`` (no longer ``self._armed``): wait for its backend work to end,
+        mark the engine broken if weights arrived without their version, reopen the gate (unless
+        the engine was armed again meanwhile)."""
+        if not locked:
+            async with self._control:
+                return await self._disarm(armed, why)
+        if armed.expiry is not None:
+            armed.expiry.cancel()
+        v = armed.update.version
+        try:
+            if await armed.load:
+                self._broken = f"weight version {v} arrived (armed) but its update did not ({why}): send a weight update"
+        except NoSignal as e:
+            log.warning("engine %s disarmed for weight version %d: %s", self.engine_id, v, e)
+        except BaseException as e:  # noqa: BLE001 - the receive itself failed half way
+            self._broken = f"receiving weight version {v} (armed) failed half way: {e!r}"
+        if self._armed is None:
+            await self._resume()
+            self._gate.set()
+
+    async def _finish_armed(self, armed: _Armed, update: WeightUpdate, called: float) -> None:
+        """``receive_weights`` of an armed engine (paused since ``arm_weights``; the caller
+        reopens the gate)."""
+        if armed.expiry is not None:
+            armed.expiry.cancel()
+        try:
+            went = await armed.load
+        except NoSignal:  # timed out or closed before the signal: the header says what comes
+            went = False
+        except BaseException as e:
+            self._broken = f"receiving weight version {armed.update.version} (armed) failed half way: {e!r}"
+            await self._resume()
+            raise
+        if not went:  # stood down: the usual receive, still paused
+            try:
+                self.check_update(update)
+            except BadRequest:
+                await self._discard(update)
+                await self._resume()
+                raise
+            await self._loaded(update, lambda: self._receive(update), {"called": called, "loading": time.time()})
+            return
+        if _layout(update) != _layout(armed.update):
+            self._broken = (f"weight version {armed.update.version} arrived with the armed header, but the update "
+                            f"(version {update.version}) has another: send a weight update")
+            await self._resume()
+            raise WeightMismatch(f"engine {self.engine_id}: {self._broken}")
+        await self._loaded(update, _nothing, {"called": called, **armed.stamps})
+
     async def leave_weight_group(self) -> None:
         async with self._control:
             if self._group is not None:
                 self._group = None
-                await self._leave_group()
+                await self._leave_group()  # an armed wait ends here (its group is closed)
+                armed, self._armed = self._armed, None
+                if armed is not None:
+                    await self._disarm(armed, "left the weight group")
 
     async def sleep(self, level: int = 1) -> SleepState:
         """Stop serving and give memory back where the backend can (level 1: weights kept
@@ -221,6 +370,9 @@ class Engine(ABC):
         if level not in (1, 2):
             raise BadRequest(f"sleep level must be 1 or 2, got {level}")
         async with self._control:
+            if self._armed is not None:
+                raise BadRequest(f"engine {self.engine_id} is armed for weight version "
+                                 f"{self._armed.update.version}: it sleeps after that update")
             if self._sleep is None:
                 self._gate.clear()
                 await self._drained.wait()
@@ -327,19 +479,22 @@ class Engine(ABC):
                 await self._abort_all()
             await self._drained.wait()
             await self._pause()
-            stamps = {"called": called, "loading": time.time()}
-            try:
-                await load()
-            except BaseException as e:
-                self._broken = f"loading weight version {update.version} failed half way: {e!r}"
-                raise
-            finally:
-                await self._resume()
-            stamps["loaded"] = time.time()
-            await self._verify(update)
-            self.last_load = {**stamps, "done": time.time()}
+            await self._loaded(update, load, {"called": called, "loading": time.time()})
         finally:
             self._gate.set()
+
+    async def _loaded(self, update: WeightUpdate, load: Any, stamps: dict[str, float]) -> None:
+        """Paused, gate closed: ``await load()``, resume, check the canary, bump the version."""
+        try:
+            await load()
+        except BaseException as e:
+            self._broken = f"loading weight version {update.version} failed half way: {e!r}"
+            raise
+        finally:
+            await self._resume()
+        stamps["loaded"] = time.time()
+        await self._verify(update)
+        self.last_load = {**stamps, "done": time.time()}
 
     async def _verify(self, update: WeightUpdate) -> None:
         """Score the canary (the gate is still closed, so nothing else runs on new weights)."""
@@ -392,6 +547,12 @@ class Engine(ABC):
         """Open each bucket's handle, load its tensors, release the handles (after ``_check_ipc``)."""
         raise BadRequest(f"the {self.backend} backend does not take cuda_ipc weight updates")
 
+    def _arm(self, update: WeightUpdate, timeout_s: float, stamps: dict[str, float]) -> asyncio.Future[bool]:
+        """Start waiting for the sender's signal for ``update`` (``arms`` backends): on go, stamp
+        ``stamps["signalled"]`` and ``["loading"]`` and receive with ``update``'s header, True; on
+        no, False; ``NoSignal`` when the wait ends without one."""
+        raise BadRequest(f"the {self.backend} backend cannot arm a weight receive")
+
     @abstractmethod
     async def _join_group(self, spec: GroupSpec) -> None: ...
 
@@ -423,3 +584,7 @@ class Engine(ABC):
 
     @abstractmethod
     async def _close(self) -> None: ...
+
+
+async def _nothing() -> None:
+    """The load of an armed receive that already arrived."""

@@ -7,6 +7,12 @@ state (vLLM initialises one in its workers) is touched. Weights travel as bucket
 tensors packed into one flat byte buffer (``weights.bucket_layout``), one broadcast per bucket,
 in the order of ``WeightUpdate.names``.
 
+Armed receives (``Engine.arm_weights``): a member that knows the next update's header before the
+sender starts it waits on the group's store for the sender's signal (``signal`` / ``wait_signal``):
+one TCP message from the sender's process straight to the waiting thread, instead of the
+update's two RPC hops (trainer -> daemon front end -> engine worker) before the first receive.
+The store lives in the sender's process, so a sender that dies ends the wait at once.
+
 What this module does not do: decide what to send (the trainer's weight sender), check names,
 shapes or dtypes (``weights.WeightSpec``), or load anything into a model (the engines).
 """
@@ -14,6 +20,7 @@ shapes or dtypes (``weights.WeightSpec``), or load anything into a model (the en
 from __future__ import annotations
 
 import datetime
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
@@ -26,6 +33,12 @@ if TYPE_CHECKING:
 
 Backend = Literal["gloo", "nccl"]
 _PREFIX = "treadle-weights"
+_SIGNALS = "treadle-arm"
+
+
+class NoSignal(TimeoutError):
+    """An armed member's wait ended without the sender's signal (timeout, group closed, or the
+    sender's store gone); nothing was received."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -78,6 +91,7 @@ class WeightGroup:
         import torch.distributed as dist
 
         self.spec = spec
+        self._waiting = False  # a member's ``wait_signal`` is blocked on the store
         timeout = datetime.timedelta(seconds=spec.timeout_s)
         # The sender hosts the store; receivers connect to it. wait_for_workers=False: joining is
         # awaited by the process-group constructor below, whose timeout names the knob.
@@ -90,6 +104,59 @@ class WeightGroup:
             opts = dist.ProcessGroupNCCL.Options()
             opts._timeout = timeout
             self._pg = dist.ProcessGroupNCCL(store, spec.rank, spec.world_size, opts)
+
+    def signal(self, version: int, go: bool) -> None:
+        """Sender: tell the members armed for ``version`` to receive now with the header they
+        armed with (``go``), or to stand down and wait for the update's header (``not go``).
+        One store message for every member; a member that did not arm ignores it."""
+        ranks = range(1, self.spec.world_size)
+        value = f"{version} {int(go)}".encode()
+        _prefixed(self._store, _SIGNALS).multi_set([f"go/{r}" for r in ranks], [value] * len(ranks))
+
+    def wait_signal(self, version: int, timeout_s: float) -> bool:
+        """Member: block until the sender signals ``version``; True to go. Raises ``NoSignal``
+        after ``timeout_s``, when the group is closed meanwhile (``close`` wakes the wait), or
+        when the sender's store is gone (the sender died)."""
+        import torch.distributed as dist
+
+        store = self._store
+        if store is None:
+            raise NoSignal(f"weight group closed before version {version} was signalled")
+        store, key = _prefixed(store, _SIGNALS), f"go/{self.spec.rank}"
+        deadline = time.monotonic() + timeout_s
+        self._waiting = True
+        try:
+            while True:
+                left = deadline - time.monotonic()
+                try:
+                    if left <= 0:
+                        raise dist.DistStoreError("timeout")
+                    store.wait([key], datetime.timedelta(seconds=left))
+                    value = store.get(key).decode()
+                    store.delete_key(key)  # the next arm waits for the next signal
+                except dist.DistStoreError:
+                    raise NoSignal(f"no signal for weight version {version} from the sender within {timeout_s:g} s") from None
+                except dist.DistError as e:
+                    raise NoSignal(f"the sender's store is gone while waiting for version {version}: {e}") from None
+                if value == "closed" or self._pg is None:
+                    raise NoSignal(f"weight group closed while waiting for version {version}")
+                signalled, go = (int(x) for x in value.split())
+                if signalled == version:
+                    return bool(go)
+                # an older version's signal, sent while this member was not armed: wait on
+        finally:
+            self._waiting = False
+
+    def _wake_waiter(self) -> None:
+        """Wake this member's ``wait_signal`` (its own store client is busy in the wait)."""
+        import torch.distributed as dist
+
+        try:
+            other = dist.TCPStore(self.spec.host, self.spec.port, self.spec.world_size, False,
+                                  timeout=datetime.timedelta(seconds=5), wait_for_workers=False)
+            _prefixed(other, _SIGNALS).set(f"go/{self.spec.rank}", b"closed")
+        except Exception:  # noqa: BLE001 - the sender's store is gone: the wait has ended by itself
+            pass
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
         """In place: every member's ``tensor`` becomes the sender's (same shape and dtype)."""
@@ -104,15 +171,23 @@ class WeightGroup:
     def close(self) -> None:
         """Drop the group; nothing is sent, and the other members need not close with it (a
         daemon leaves one sender's group to join another's while the first sender keeps its
-        side): NCCL's communicator is aborted (a graceful NCCL shutdown may wait for members
-        that never come), gloo's shut down."""
+        side): the process group is aborted, not shut down (a graceful shutdown waits for the
+        work in flight, which may wait for members that never come). A gloo broadcast blocked in
+        another thread stays blocked until the group's timeout."""
         pg, self._pg = self._pg, None
+        if self._waiting:
+            self._wake_waiter()
         if pg is not None:
-            stop = getattr(pg, "abort", None) if self.spec.backend == "nccl" else None
-            stop = stop or getattr(pg, "shutdown", None)
+            stop = getattr(pg, "abort", None) or getattr(pg, "shutdown", None)
             if stop is not None:
                 stop()
         self._store = None
+
+
+def _prefixed(store: Any, prefix: str) -> Any:
+    import torch.distributed as dist
+
+    return dist.PrefixStore(prefix, store)
 
 
 def send_buckets(group: WeightGroup, tensors: Sequence[torch.Tensor],

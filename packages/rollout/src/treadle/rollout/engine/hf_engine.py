@@ -20,6 +20,7 @@ import asyncio
 import collections
 import concurrent.futures
 import hashlib
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -116,6 +117,7 @@ class HfEngine(Engine):
     """Engine over ``transformers.AutoModelForCausalLM``."""
 
     backend = "hf"
+    arms = True
 
     def __init__(self, config: HfEngineConfig) -> None:
         super().__init__(engine_id=config.engine_id, initial_version=config.initial_version)
@@ -394,6 +396,19 @@ class HfEngine(Engine):
 
     async def _receive(self, update: WeightUpdate) -> None:
         await self._call(self._copy_in, self._buckets(update))
+
+    def _arm(self, update: WeightUpdate, timeout_s: float, stamps: dict[str, float]) -> asyncio.Future[bool]:
+        group = self._wgroup
+        assert group is not None
+
+        def wait_then_receive() -> bool:  # on the model thread: nothing else runs while armed
+            if not group.wait_signal(update.version, timeout_s):
+                return False
+            stamps["signalled"] = stamps["loading"] = time.time()
+            self._copy_in(self._buckets(update))
+            return True
+
+        return asyncio.get_running_loop().run_in_executor(self._pool, wait_then_receive)
 
     async def _discard(self, update: WeightUpdate) -> None:
         await self._call(lambda: collections.deque(self._buckets(update), maxlen=0))
