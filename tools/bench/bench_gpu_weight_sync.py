@@ -141,6 +141,8 @@ def start_daemon(model: Path, gpu: int | None, cpus: str) -> tuple[subprocess.Po
     cmd = [sys.executable, "-m", "treadle.rollout", "serve", "--endpoint", endpoint, "--model", str(model),
            "--backend", "hf", "--engines", "1", "--engine.dtype", "bfloat16", "--engine.max_model_len", "512",
            "--health_interval_s", "1", "--cpus", *cpus.split(",")]
+    if gpu is None:  # gloo: no keeper in the group (the engines alone, as over NCCL), so it can be armed
+        cmd.append("--no_keep_weights")
     if gpu is not None:
         cmd += ["--gpu_ids", str(gpu), "--engine.device", "cuda"]
     return spawn(cmd, None), endpoint
@@ -262,12 +264,15 @@ class Bench:
     # -- a treadle sync
 
     def sync(self, sender, name: str, layout: str) -> dict:  # noqa: ANN001
-        """``name``: the daemon, or with ``_peer`` the same sender with peer reads on (rank 0 reads
-        rank 1's partitions over CUDA IPC instead of NCCL gathers)."""
-        daemon = name.split("_")[0]
+        """``name``: the daemon, with ``_peer`` the same sender with peer reads on (rank 0 reads
+        rank 1's partitions over CUDA IPC instead of NCCL gathers), with ``_arm`` armed first
+        (``WeightSender.arm``). Every sync starts after ``--idle-ms`` of quiet (as after training)."""
+        daemon, flags = name.split("_")[0], name.split("_")[1:]
         sender.config = dataclasses.replace(sender.config, bucket_bytes=self.bucket_bytes[layout],
-                                            peer_reads=name.endswith("_peer"))
+                                            peer_reads="peer" in flags, arm="arm" in flags)
         self.versions[daemon] += 1
+        sender.arm(self.versions[daemon])  # a no-op unless armed
+        time.sleep(self.a.idle_ms / 1e3)
         self.barrier()
         start = time.perf_counter()
         r = sender.sync(self.versions[daemon])
@@ -312,11 +317,11 @@ class Bench:
 
 def schedule(repeats: int, ipc: bool) -> list[list[tuple[str, str]]]:
     """Rounds of (op, layout); round 0 is the warm-up; every other round runs reversed. The
-    ``_peer`` syncs (peer reads on) and ``pull_pack`` run bucketed only."""
+    ``_peer`` and ``_arm`` syncs and ``pull_pack`` run bucketed only."""
     ops = ["raw_nccl", "gather_all", "gather", "gather_pack", "nccl"] + (
-        ["pull_pack", "nccl_peer", "raw_ipc", "ipc"] if ipc else [])
+        ["pull_pack", "nccl_peer", "nccl_peer_arm", "raw_ipc", "ipc"] if ipc else ["nccl_arm"])
     one = [(op, layout) for op in ops for layout in LAYOUTS
-           if layout == "bucketed" or not (op.endswith("_peer") or op == "pull_pack")]
+           if layout == "bucketed" or not ("_peer" in op or "_arm" in op or op == "pull_pack")]
     return [one if r % 2 == 0 else one[::-1] for r in range(repeats + 1)]
 
 
@@ -367,7 +372,7 @@ def summarise(rows: list[dict], bench: Bench) -> dict:
         med[f"{key[0]}/{key[1]}"] = {k: statistics.median(r[k] for r in sel if k in r)
                                      for k in sel[0] if k.endswith("_s") or k == "s"}
     ratios = {}
-    for t in ("nccl", "ipc", "nccl_peer"):
+    for t in ("nccl", "ipc", "nccl_peer", "nccl_arm", "nccl_peer_arm"):
         for layout in LAYOUTS:
             e2e, raw = med.get(f"{t}/{layout}"), med.get(f"raw_{t.split('_')[0]}/{layout}")
             if e2e is None or raw is None:
@@ -533,10 +538,11 @@ def report_lines(res: dict) -> list[str]:
     lines = [f"{res['tensors']} tensors, {res['bytes'] / 1e9:.2f} GB bf16, buckets {res['buckets']}",
              f"correctness: {json.dumps(res['correctness'])}",
              f"{'op/layout (median ms)':<24}{'total':>10}{'gather':>10}{'send':>10}{'accept':>10}{'answer':>10}"
-             "   engine: called, loading, loaded, done (ms into the sync)"]
+             "   engine: [signalled,] called, loading, loaded, done (ms into the sync)"]
     for k in sorted(res["medians_s"]):
         m = res["medians_s"][k]
-        engine = [m[f"engine_{f}_s"] for f in ("called", "loading", "loaded", "done") if f"engine_{f}_s" in m]
+        engine = [m[f"engine_{f}_s"] for f in ("signalled", "called", "loading", "loaded", "done")
+                  if f"engine_{f}_s" in m]
         lines.append(f"{k:<24}" + "".join(f"{m.get(f, 0) * 1e3:>10.1f}"
                                            for f in ("s", "gather_s", "send_s", "accept_s", "answer_s"))
                      + ("   " + ", ".join(f"{t * 1e3:.1f}" for t in engine) if engine else ""))
@@ -554,6 +560,7 @@ def main() -> int:
     p.add_argument("--layers", type=int, default=0, help="override the number of layers (0: the shape's); "
                    "--cpu --layers 28 has the 1.5B's 338 tensors at tiny widths: the sync's host overhead")
     p.add_argument("--cpu", action="store_true", help="dry run on CPU: tiny shape, gloo, no IPC")
+    p.add_argument("--idle-ms", type=float, default=50.0, help="quiet before each sync (as after training), ms")
     p.add_argument("--workdir", default="/tmp/treadle_bench_gpu_ws")
     p.add_argument("--json", default="")
     p.add_argument("--profile", default="", help="folder: profile one more round of each bucketed op there")

@@ -111,6 +111,14 @@ def bf16_daemon(tiny: Path) -> Daemon:
     d.stop()
 
 
+@pytest.fixture(scope="module")
+def lean_daemon(tiny: Path) -> Daemon:
+    """No weights kept in the front end: a gloo group of the sender and the engines alone."""
+    d = Daemon(["--model", str(tiny), "--engines", "1", "--no_keep_weights"])
+    yield d
+    d.stop()
+
+
 def causal_lm(path: Path) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
@@ -325,6 +333,54 @@ def test_two_senders_take_turns_on_one_daemon(daemon, model_b):
             assert list(daemon.client.weight_digest().values()) == [scenarios.hf_digest(checkpoint_state(model), True)]
         assert (first.joins, second.joins) == (2, 2)
     assert daemon.client.health()["version"] == v + 3
+
+
+def test_armed_sync_goes_on_the_signal_and_the_usual_way_when_it_is_not_the_armed_one(daemon, lean_daemon, model_b):
+    """``arm`` then ``sync``: the engine receives on the sender's signal (its load stamps say so);
+    armed for another version than the sync sends, or armed twice, it stands down and the sync
+    goes the usual way; a refusal after the signal (the pool changed) is resent unarmed. A daemon
+    whose front end keeps the weights in the group refuses to arm: syncs go the usual way."""
+    model = causal_lm(model_b)
+    v = daemon.next_version()
+    with sender(model, daemon.client, bucket_bytes=64 << 10, arm=True) as s:
+        s.arm(v)
+        report = s.sync(v)
+        assert report.updated == ["e0"] and "signalled" not in report.engine_seconds["e0"] and s._arm_refused
+    daemon = lean_daemon
+    counting = CountingClient(daemon.client)
+    v = daemon.next_version()
+
+    def arrived():
+        assert list(daemon.client.weight_digest().values()) == [scenarios.hf_digest(checkpoint_state(model), True)]
+
+    with sender(model, counting, bucket_bytes=64 << 10, arm=True, canary_token_ids=CANARY) as s:
+        s.arm(v)
+        report = s.sync(v)
+        assert report.updated == ["e0"] and "signalled" in report.engine_seconds["e0"]
+        arrived()
+        with torch.no_grad():
+            model.model.norm.weight.add_(0.25)
+        s.arm(v + 1)
+        report = s.sync(v + 2)  # not the armed version: stood down, sent as usual
+        assert report.updated == ["e0"] and "signalled" not in report.engine_seconds["e0"]
+        arrived()
+        s.arm(v + 3)
+        s.arm(v + 3)  # the first arming stands down; the second is used
+        with torch.no_grad():
+            model.model.norm.weight.add_(0.25)
+        assert "signalled" in s.sync(v + 3).engine_seconds["e0"]
+        arrived()
+        s.arm(v + 4)
+        daemon.client.scale(2)  # the pool changes after arming: refused after the signal, resent unarmed
+        try:
+            report = s.sync(v + 4)
+            digests = daemon.client.weight_digest()
+        finally:
+            daemon.client.scale(1)
+        assert sorted(report.updated) == ["e0", "e1"] and counting.joins == 2
+        assert sorted(digests.values()) == [scenarios.hf_digest(checkpoint_state(model), True)] * 2
+        assert s.sync(v + 5).updated == ["e0"]  # unarmed after that: rejoined as usual
+    assert daemon.client.health()["version"] == v + 5 and gap(daemon, model) <= TOL
 
 
 def test_name_mismatch_is_a_typed_error_and_the_sender_stays_usable(daemon, model_b):

@@ -106,6 +106,11 @@ class VLLMConfig:
     """ZeRO-3 on GPUs of one host: rank 0 reads the other ranks' partitions over CUDA IPC for a
     weight sync (nothing runs on their GPUs) instead of gathering them over NCCL; it gathers by
     itself where it cannot (another host, CPU). Off: always gather."""
+    sync_arm: bool = False
+    """Synchronous RL: after each rollout, arm the engines for the next weight sync; they pause
+    while the trainer trains and start receiving on the trainer's signal over the weight group's
+    store, without waiting for the update's request (``WeightSender.arm``). Not with
+    --train.async_enable or --vllm.enable_sleep (refused)."""
     curve_dir: str = ""
     """CURVE client keys (client.key_secret + server.key, `treadle-keys generate`) for --vllm.endpoint;
     needed when that daemon is not on loopback."""

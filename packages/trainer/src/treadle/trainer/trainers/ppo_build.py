@@ -239,7 +239,7 @@ def sender(parts: PPOParts) -> Any:
     backend = cfg.vllm.sync_backend if torch.cuda.is_available() else "gloo"
     conf = SenderConfig(transport="collective", backend=backend, bucket_bytes=cfg.vllm.bucket_mb << 20,
                         dtype=DTYPES[cfg.ds.param_dtype], mode="abort" if cfg.train.partial_rollout_enable else "wait",
-                        host=cfg.vllm.sync_host, peer_reads=cfg.vllm.sync_peer_reads)
+                        host=cfg.vllm.sync_host, peer_reads=cfg.vllm.sync_peer_reads, arm=cfg.vllm.sync_arm)
     return WeightSender(parts.actor, config=conf, client=parts.sync_client, zero_stage=cfg.ds.zero_stage,
                         is_main=parts.dist.is_main)
 
@@ -251,6 +251,10 @@ def build_parts(cfg: PPOConfig) -> PPOParts:
                           "while the trainer trains; pick one")
     from treadle.trainer.ring.group import data_parallel  # noqa: PLC0415
 
+    if cfg.vllm.sync_arm and (cfg.train.async_enable or cfg.vllm.enable_sleep):
+        raise ConfigError("--vllm.sync_arm pauses the engines while the trainer trains: not with "
+                          + ("--train.async_enable (they generate meanwhile)" if cfg.train.async_enable
+                             else "--vllm.enable_sleep (they sleep meanwhile)"))
     if cfg.ds.enable_sleep and cfg.ds.zero_stage != 3:
         raise ConfigError(f"--ds.enable_sleep offloads ZeRO-3 states between phases: needs --ds.zero_stage 3, got {cfg.ds.zero_stage}")
     dist = build.start(cfg, ring_supported=True, sleep_supported=True)

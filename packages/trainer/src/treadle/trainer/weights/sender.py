@@ -35,6 +35,16 @@ next sync), sends the buckets' CUDA IPC handles (``treadle.rollout.engine.ipc``)
 ``WeightUpdate``, and leaves the buffer untouched until the daemon answered (the engines copy
 from it and unmap it before they answer). No group, no broadcast.
 
+Armed syncs (``SenderConfig.arm``, synchronous RL): ``arm(version)`` after a rollout sends the
+next update's header ahead (``RolloutClient.arm_weights``); the engines pause and wait on the
+group's store. At ``sync(version)`` rank 0 signals them first (``WeightGroup.signal``: one store
+message, straight to each engine's waiting thread) and broadcasts without waiting for the
+daemon's acceptance; the update's request follows as usual and finishes the load (canary,
+version). When the sync is not the armed one (another version, plan, bucket size or group, or
+an engine did not arm) the engines are told to stand down and the sync goes the usual way. A
+refusal after the signal (the pool changed meanwhile) drops the group, and the sync is done
+again unarmed (every rank: ``ResendUnarmed``).
+
 One sender per daemon: joining a group replaces the daemon's previous group.
 
 Not here: what is sent and under which names (``gather``), rank 0's threads and the outcome
@@ -44,6 +54,7 @@ all-reduce (``transfer``), the group and the bucket layout
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import socket
 import time
@@ -74,6 +85,7 @@ from treadle.trainer.weights.gather import (
 )
 from treadle.trainer.weights.peers import PeerReads
 from treadle.trainer.weights.transfer import (
+    ResendUnarmed,
     Transfer,
     WeightSyncFailed,
     outcome_group,
@@ -116,6 +128,9 @@ class SenderConfig:
     # engine may be receiving) instead of NCCL gathers, and packs while the daemon accepts; gathers
     # where it cannot, saying why once (``weights.peers``). On 2xH200: 13.6 ms against 22.3 ms a
     # 1.5B sync (docs/benchmarks.md)
+    arm: bool = False  # collective transport, synchronous RL: arm the engines for the next sync after each
+    # rollout (``WeightSender.arm``): they pause while the trainer trains and receive the first bucket on rank
+    # 0's signal over the group's store, without waiting for the update's request to reach them
 
     def __post_init__(self) -> None:
         if self.transport not in ("collective", "inline", "cuda_ipc"):
@@ -162,6 +177,17 @@ class SyncReport:
     engine_seconds: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Arming:
+    """Rank 0: the engines armed (or being armed) for the next sync by ``arm``."""
+
+    version: int
+    items: list[Item]  # the plan the header was made from
+    bucket_bytes: int
+    group: WeightGroup  # the engines wait in this group
+    answer: concurrent.futures.Future[Any]  # the daemon's ``arm_weights`` answer
+
+
 @dataclass(frozen=True, slots=True)
 class _Layout:
     """What a sync's header and buffers take from the plan (made once per kept plan)."""
@@ -206,6 +232,8 @@ class WeightSender:
         self._plan = Planner()  # the tensors to send, kept while the model's stay the same
         self._laid: dict[Any, tuple[list[Item], _Layout]] = {}  # (id(plan), bucket bytes) -> (plan, layout)
         self._coalesce = config.gather == "coalesced"
+        self._arming: _Arming | None = None
+        self._arm_refused = False  # the daemon cannot arm (its backend, or a keeper in the group): stop asking
         self._closed = False
 
     # ------------------------------------------------------------------ public
@@ -218,7 +246,11 @@ class WeightSender:
         items = self._plan(self._module, self._dtype)
         canary = self._canary()
         run = {"inline": self._sync_inline, "cuda_ipc": self._sync_ipc}.get(self.config.transport, self._sync_collective)
-        answer, buckets, gather_s, send_s, *phases = run(version, items, canary)
+        try:
+            answer, buckets, gather_s, send_s, *phases = run(version, items, canary)
+        except ResendUnarmed as e:  # on every rank alike (the outcome is shared)
+            log.warning("resending weight version %d unarmed: %s", version, e.message)
+            answer, buckets, gather_s, send_s, *phases = run(version, items, canary)
         answer = answer or {}
         report = SyncReport(version=version, tensors=len(items), bytes=self._layout(items).nbytes,
                             buckets=buckets, seconds=time.perf_counter() - start, gather_seconds=gather_s,
@@ -234,6 +266,28 @@ class WeightSender:
                 "answer_s": round(report.answer_seconds, 3), "updated": report.updated, "failed": report.failed,
                 "engine_s": report.engine_seconds}})
         return report
+
+    def arm(self, version: int) -> None:
+        """Synchronous RL, after a rollout and before training: arm the engines for
+        ``sync(version)`` (``SenderConfig.arm``, collective transport). They pause until that
+        sync, so nothing may generate in between. Every rank may call it; rank 0 acts, without
+        waiting for the daemon. A failure to arm is logged and that sync goes the usual way."""
+        if not (self.config.arm and self.config.transport == "collective" and self._is_main) \
+                or self._arm_refused or self._closed:
+            return
+        self._signal_armed(None, None)  # an arming no sync used: its engines stand down
+        try:
+            items = self._plan(self._module, self._dtype)
+            if self._group is None:
+                self._join()
+            update = self._header(version, items, None, sizes=self._layout(items).sizes,
+                                  group=self._group.spec.as_dict())
+            answer = self._client.submit("arm_weights", update)
+        except Exception as e:
+            log.warning("could not arm the engines for weight version %d: %s", version, e)
+            return
+        self._arming = _Arming(version=version, items=items, bucket_bytes=self.config.bucket_bytes,
+                               group=self._group, answer=answer)
 
     def close(self) -> None:
         """Leave the daemon's weight group (rank 0) and drop the buffers; idempotent."""
@@ -258,10 +312,11 @@ class WeightSender:
 
     def _sync_collective(self, version: int, items: list[Item], canary: np.ndarray | None) -> tuple:
         sizes = self._layout(items).sizes
-        transfer, err, announced = None, None, time.perf_counter()
+        transfer, err, announced, go = None, None, time.perf_counter(), False
         if self._is_main:
             try:
-                transfer = self._announce(version, items, sizes, canary)
+                go = self._signal_armed(version, items)
+                transfer = self._announce(version, items, sizes, canary, early=go)
             except Exception as e:
                 err = e
         peers = self._pulls(items, sizes)  # collective; the daemon accepts meanwhile
@@ -289,6 +344,9 @@ class WeightSender:
             answer, err = transfer.result()
             if transfer.sent < len(sizes):  # the members are out of step: rebuild before the next
                 self._drop_group()
+            if go and _needs_rejoin(err):  # refused after the engines went: rejoin, send again unarmed
+                self._drop_group()
+                err = ResendUnarmed(f"the daemon refused the armed update: {err.message}")
         raise_outcome(self._share(err), err, version)
         if transfer is None:
             return answer, len(sizes), gather_s, 0.0
@@ -385,16 +443,45 @@ class WeightSender:
 
     # ------------------------------------------------------------------ rank 0: the daemon
 
-    def _announce(self, version: int, items: list[Item], sizes: list[int], canary: np.ndarray | None) -> Transfer:
+    def _announce(self, version: int, items: list[Item], sizes: list[int], canary: np.ndarray | None,
+                  early: bool = False) -> Transfer:
         """Send the update's header (joining the group first when there is none); the daemon
-        accepts in the background (``_accepted``)."""
+        accepts in the background (``_accepted``). ``early``: the engines were signalled, the
+        broadcasts start without the acceptance."""
         buffers = self._buffers_for(items)
         if self._group is None:
             self._join()
         update = self._header(version, items, canary, sizes=sizes, group=self._group.spec.as_dict())
         if self._stream is None and buffers and buffers[0].is_cuda:
             self._stream = torch.cuda.Stream(buffers[0].device)  # made once: the broadcasts' stream
-        return Transfer(self._client, update, self._group, len(sizes), buffers, self.config.mode, self._stream)
+        return Transfer(self._client, update, self._group, len(sizes), buffers, self.config.mode, self._stream,
+                        early=early)
+
+    def _signal_armed(self, version: int | None, items: list[Item] | None) -> bool:
+        """Rank 0: tell the engines armed by ``arm`` to go, when this sync is the one they armed
+        for (same version, plan, bucket size and group; every member armed), else to stand down.
+        True: they went."""
+        arming, self._arming = self._arming, None
+        if arming is None:
+            return False
+        try:
+            answer = arming.answer.result(timeout=self.config.timeout_s)
+        except Exception as e:
+            if isinstance(e, BadRequest) and "cannot arm" in e.message:
+                self._arm_refused = True  # every arm would be refused alike
+            log.warning("the engines were not armed for weight version %d: %s", arming.version, e)
+            return False
+        if answer.get("failed"):
+            log.warning("engines not armed for weight version %d: %s", arming.version, answer["failed"])
+        go = (not answer.get("failed") and arming.version == version and arming.items is items
+              and arming.bucket_bytes == self.config.bucket_bytes and arming.group is self._group)
+        if arming.group is self._group:  # else the engines left that group, which disarmed them
+            try:
+                self._group.signal(arming.version, go)
+            except Exception as e:
+                log.warning("could not signal the armed engines: %s", e)
+                return False
+        return go
 
     def _accepted(self, transfer: Transfer, version: int, items: list[Item], sizes: list[int],
                   canary: np.ndarray | None) -> Transfer:

@@ -51,9 +51,16 @@ class WeightSyncFailed(InternalError):
     """The sync failed on rank 0 for a reason that is not a treadle error (see rank 0's log)."""
 
 
+class ResendUnarmed(TreadleError):
+    """The daemon refused an armed update after the engines went (its pool changed since they
+    armed): every rank does the sync again, unarmed (the sender catches it)."""
+
+    code = "resend_unarmed"
+
+
 # What a failed sync raises on the ranks that did not see the error: the first class matching
 # rank 0's error, shared as its index + 1 (0: success). Most specific first.
-OUTCOMES: tuple[type[TreadleError], ...] = (WeightGroupStale, EnginesQuarantined, NoEngine, BadRequest,
+OUTCOMES: tuple[type[TreadleError], ...] = (ResendUnarmed, WeightGroupStale, EnginesQuarantined, NoEngine, BadRequest,
                                             EngineDead, RequestTimeout, TreadleError, WeightSyncFailed)
 
 
@@ -93,7 +100,8 @@ def raise_outcome(code: int, err: BaseException | None, version: int) -> None:
     if code == 0:
         return
     if err is not None:
-        log.error("weight sync of version %d failed: %s", version, err)
+        if not isinstance(err, ResendUnarmed):
+            log.error("weight sync of version %d failed: %s", version, err)
         raise err
     cls = OUTCOMES[code - 1]
     raise cls(f"weight sync of version {version} failed on rank 0 ({cls.__name__}); rank 0's log says why")
@@ -103,8 +111,10 @@ class Transfer:
     """One collective update in flight on rank 0 (see the module docstring)."""
 
     def __init__(self, client: Any, update: WeightUpdate, group: WeightGroup, buckets: int,
-                 buffers: list[torch.Tensor], mode: str = "wait", stream: Any = None) -> None:
-        """``stream``: the CUDA stream the broadcasts run on (GPU buffers; the sender's, kept)."""
+                 buffers: list[torch.Tensor], mode: str = "wait", stream: Any = None, early: bool = False) -> None:
+        """``stream``: the CUDA stream the broadcasts run on (GPU buffers; the sender's, kept);
+        ``early``: broadcast at once, in a thread of its own, not once the daemon accepted (the
+        engines were armed and signalled)."""
         self._group, self._buckets = group, buckets
         self._ready: queue.Queue[tuple[torch.Tensor, torch.Tensor, Any] | None] = queue.Queue()
         self._free: queue.Queue[tuple[torch.Tensor, Any]] = queue.Queue()  # (buffer, its broadcast's event)
@@ -114,6 +124,7 @@ class Transfer:
         if on_gpu and stream is None:
             raise ValueError("a Transfer of GPU buffers needs the CUDA stream its broadcasts run on")
         self._stream = stream if on_gpu else None
+        self._early = early
         self.accepted, self.finished, self.broken = threading.Event(), threading.Event(), threading.Event()
         self.sent, self.send_seconds = 0, 0.0
         self.accepted_at = self.sent_at = self.answered_at = 0.0  # perf_counter() when the daemon accepted /
@@ -121,11 +132,19 @@ class Transfer:
         self.answer: dict[str, Any] | None = None
         self.error: BaseException | None = None
         try:
-            call = client.submit("update_weights", update, send=self._send, mode=mode)
+            call = client.submit("update_weights", update, send=_nothing if early else self._send, mode=mode)
         except Exception as e:  # the client is closed: an answer that is an error
             call = concurrent.futures.Future()
             call.set_exception(e)
+        if early:
+            threading.Thread(target=self._send_early, name="weight-broadcast", daemon=True).start()
         call.add_done_callback(self._answered)
+
+    def _send_early(self) -> None:
+        try:
+            self._send()
+        except BaseException as e:  # noqa: BLE001 - a broken group (dropped after a refusal): in the answer
+            log.warning("the armed broadcast ended early: %s", e)
 
     def _answered(self, call: concurrent.futures.Future[Any]) -> None:
         """The daemon call ended (on the client's loop, or here if it never started)."""
@@ -138,6 +157,8 @@ class Transfer:
         finally:
             self.answered_at = time.perf_counter()
             self.finished.set()
+            if self._early and self.error is not None:
+                self._ready.put(None)  # the broadcast thread may wait for buckets that will not come
 
     def _send(self) -> None:
         self.accepted_at = time.perf_counter()
@@ -180,9 +201,10 @@ class Transfer:
 
     def buffer(self) -> torch.Tensor | None:
         """A free buffer for the next bucket; None: broken, or the daemon answered without
-        accepting. A GPU buffer may still be in its broadcast: the caller's stream is made to
+        accepting or with an error. A GPU buffer may still be in its broadcast: the caller's stream is made to
         wait for it (the host does not)."""
-        while not self.broken.is_set() and not (self.finished.is_set() and not self.accepted.is_set()):
+        while not self.broken.is_set() and not (self.finished.is_set()
+                                                and (self.error is not None or not self.accepted.is_set())):
             with contextlib.suppress(queue.Empty):
                 buffer, done = self._free.get(timeout=0.05)
                 if done is not None:
@@ -208,3 +230,7 @@ class Transfer:
         """The daemon's answer or the error, once the call has ended."""
         self.finished.wait()
         return self.answer, self.error
+
+
+def _nothing() -> None:
+    """The acceptance's broadcast when it started early."""
