@@ -80,7 +80,10 @@ def cases(cpu: bool) -> list[tuple[str, str, dict]]:
     out = [("nccl_bucketed", "nccl", dict(backend=backend, bucket_bytes=64 << 10, canary_token_ids=CANARY,
                                           canary_tolerance=BF16_TOL)),
            ("nccl_per_tensor", "nccl", dict(backend=backend, bucket_bytes=0)),
-           ("nccl_gathered", "nccl", dict(backend=backend, bucket_bytes=64 << 10, peer_reads=False))]  # NCCL gathers
+           ("nccl_gathered", "nccl", dict(backend=backend, bucket_bytes=64 << 10, peer_reads=False)),  # NCCL gathers
+           # armed before training, received on rank 0's signal (gloo on CPU: that daemon keeps weights, refuses)
+           ("nccl_armed", "nccl", dict(backend=backend, bucket_bytes=64 << 10, arm=True, canary_token_ids=CANARY,
+                                       canary_tolerance=BF16_TOL))]
     if not cpu:  # cuda_ipc always gathers
         out += [("ipc_bucketed", "ipc", dict(transport="cuda_ipc", bucket_bytes=64 << 10, canary_token_ids=CANARY,
                                              canary_tolerance=BF16_TOL)),
@@ -97,8 +100,9 @@ def run(a: argparse.Namespace, clients: dict, main: bool) -> dict:
         client, rounds = clients.get(daemon), []
         with WeightSender(engine, config=SenderConfig(**fields), client=client, zero_stage=3, is_main=main) as s:
             for j in range(2):
-                train_step(engine, 10 * k + j)
                 versions[daemon] += 1
+                s.arm(versions[daemon])  # after the rollout, before training (a no-op unless armed)
+                train_step(engine, 10 * k + j)
                 r = report(s.sync(versions[daemon]))
                 rounds.append({"report": r, "peer_reads": bool(s._peers and s._peers.active), **check(engine, client)})
         out[name] = rounds

@@ -454,6 +454,8 @@ def test_planner_keeps_the_plan_until_a_tensor_it_names_changes():
     first = planner(model)
     assert planner(model) is first and [it.name for it in first] == [it.name for it in plan(model)]
     assert planner(model, torch.bfloat16) is not first  # another sent dtype
+    kept = planner(model)
+    assert len(model[:1]) == 1 and planner(model) is kept  # a slice (HF forwards make one) changes nothing here
 
     def replanned(change) -> list[str]:  # noqa: ANN001
         before = planner(model)

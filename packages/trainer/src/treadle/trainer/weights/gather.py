@@ -154,8 +154,8 @@ def plan(module: torch.nn.Module, dtype: torch.dtype | None = None) -> list[Item
 class Planner:
     """``plan``, kept from one call to the next (the sender plans at every sync) while nothing it
     was made from changed. Each call checks that without walking the module tree: no module
-    anywhere got a parameter, buffer or child registered or assigned since (torch's global
-    registration hooks count them: ``_watch_structure``), every module of the tree still has
+    of a planned tree got a parameter, buffer or child registered or assigned since (torch's
+    global registration hooks count them: ``_watch_structure``), every module of the tree still has
     as many parameters, buffers, children and non-persistent buffers (a ``del`` is not a
     registration), and every sent tensor keeps its dtype and shape. Not seen: entries written
     into a module's ``_parameters`` / ``_buffers`` / ``_modules`` dicts directly, bypassing
@@ -178,6 +178,7 @@ class Planner:
         seen = _STRUCTURE[0]
         items = plan(module, dtype)
         mods = [mod for _, mod in _preorder(module)]
+        _WATCHED.update(map(id, mods))
         lora = _lora_layer_class()
         if any(it.merge is not None for it in items) or lora is not None and any(isinstance(m, lora) for m in mods):
             self._items = None
@@ -194,18 +195,22 @@ class Planner:
                 and all(t.dtype == d and getattr(t, "ds_shape", t.shape) == s for t, d, s in self._shapes))
 
 
-_STRUCTURE = [0, False]  # registrations of parameters, buffers and modules anywhere seen; hooks installed
+_STRUCTURE = [0, False]  # registrations of parameters, buffers and modules seen on watched modules; hooks installed
+_WATCHED: set[int] = set()  # ids of every module of a tree a ``Planner`` planned (a reused id: a needless replan)
 
 
 def _watch_structure() -> None:
-    """Count every parameter, buffer and child module registered or assigned on any module from
-    now on (torch's global registration hooks, installed once per process)."""
+    """Count every parameter, buffer and child module registered or assigned on a module of a
+    planned tree from now on (torch's global registration hooks, installed once per process).
+    Registrations on other modules do not count: HF models slice their ``ModuleList`` of layers
+    at every forward, and each slice is a new ``ModuleList`` that registers its children."""
     if _STRUCTURE[1]:
         return
     from torch.nn.modules import module as torch_module  # noqa: PLC0415
 
-    def changed(*_: Any) -> None:
-        _STRUCTURE[0] += 1
+    def changed(module: torch.nn.Module, *_: Any) -> None:
+        if id(module) in _WATCHED:
+            _STRUCTURE[0] += 1
 
     torch_module.register_module_parameter_registration_hook(changed)
     torch_module.register_module_buffer_registration_hook(changed)
