@@ -276,15 +276,21 @@ def test_canary_accepts_right_weights_and_flags_wrong_ones(subject, ref, tools):
     assert run(subject, request(PROMPTS[1], max_tokens=2))[0].finish_reason == "length"
 
 
-def test_collective_receive_is_bit_identical(subject, ref, tools):
-    b = tools.checkpoint(subject.model_b)
-    names, tensors = list(b), list(b.values())
+def joined_sender(subject, tools) -> WeightGroup:
+    """The sender's side (rank 0) of a new group of two, the engine joined as rank 1."""
     spec = GroupSpec(host="127.0.0.1", port=tools.free_port(), world_size=2, rank=0, timeout_s=60)
     sender: list[WeightGroup] = []
     joining = threading.Thread(target=lambda: sender.append(WeightGroup(spec)))
     joining.start()
     subject.aio(subject.engine.join_weight_group(spec.with_rank(1).as_dict()))
     joining.join(30)
+    return sender[0]
+
+
+def test_collective_receive_is_bit_identical(subject, ref, tools):
+    b = tools.checkpoint(subject.model_b)
+    names, tensors = list(b), list(b.values())
+    sender = [joined_sender(subject, tools)]
 
     def broadcast(update, ts):
         t = threading.Thread(target=send_buckets, args=(sender[0], ts, update.bucket_sizes))
@@ -327,12 +333,7 @@ def test_armed_receive_goes_on_the_signal_stands_down_or_lets_go(subject, ref, t
     the group reopen the gate with the weights untouched, and the update is received as usual."""
     b = tools.checkpoint(subject.model_b)
     names, tensors = list(b), list(b.values())
-    spec = GroupSpec(host="127.0.0.1", port=tools.free_port(), world_size=2, rank=0, timeout_s=60)
-    sender: list[WeightGroup] = []
-    joining = threading.Thread(target=lambda: sender.append(WeightGroup(spec)))
-    joining.start()
-    subject.aio(subject.engine.join_weight_group(spec.with_rank(1).as_dict()))
-    joining.join(30)
+    sender = [joined_sender(subject, tools)]
 
     def collective(version, bucket_bytes):
         return WeightUpdate(version=version, names=names, dtypes=["float32"] * len(names),

@@ -21,6 +21,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -335,7 +336,8 @@ def test_two_senders_take_turns_on_one_daemon(daemon, model_b):
     assert daemon.client.health()["version"] == v + 3
 
 
-def test_armed_sync_goes_on_the_signal_and_the_usual_way_when_it_is_not_the_armed_one(daemon, lean_daemon, model_b):
+def test_armed_sync_goes_on_the_signal_and_the_usual_way_when_it_is_not_the_armed_one(daemon, lean_daemon, model_b,
+                                                                                      monkeypatch):
     """``arm`` then ``sync``: the engine receives on the sender's signal (its load stamps say so);
     armed for another version than the sync sends, or armed twice, it stands down and the sync
     goes the usual way; a refusal after the signal (the pool changed) is resent unarmed. A daemon
@@ -370,14 +372,22 @@ def test_armed_sync_goes_on_the_signal_and_the_usual_way_when_it_is_not_the_arme
             model.model.norm.weight.add_(0.25)
         assert "signalled" in s.sync(v + 3).engine_seconds["e0"]
         arrived()
+        # The pool changes after arming: refused after the signal; the armed engine still gets every
+        # bucket (a gloo receive cannot be interrupted), then the update is resent unarmed. Slowed
+        # hand-overs: the refusal comes while the broadcast is still going.
+        from treadle.trainer.weights.transfer import Transfer
+
+        put = Transfer.put
         s.arm(v + 4)
-        daemon.client.scale(2)  # the pool changes after arming: refused after the signal, resent unarmed
+        daemon.client.scale(2)
         try:
+            monkeypatch.setattr(Transfer, "put", lambda self, *a: (time.sleep(0.2), put(self, *a)))
             report = s.sync(v + 4)
+            monkeypatch.undo()
             digests = daemon.client.weight_digest()
         finally:
             daemon.client.scale(1)
-        assert sorted(report.updated) == ["e0", "e1"] and counting.joins == 2
+        assert sorted(report.updated) == ["e0", "e1"] and counting.joins >= 2  # >2: e1's catch-up came later
         assert sorted(digests.values()) == [scenarios.hf_digest(checkpoint_state(model), True)] * 2
         assert s.sync(v + 5).updated == ["e0"]  # unarmed after that: rejoined as usual
     assert daemon.client.health()["version"] == v + 5 and gap(daemon, model) <= TOL

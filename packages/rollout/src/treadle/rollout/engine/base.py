@@ -252,9 +252,10 @@ class Engine(ABC):
         request (``receive_weights`` of the same version) then checks its header against this
         one, waits for the receive, checks the canary and bumps the version. Disarmed, gate
         reopened and weights untouched, by "no" (the sender's plan changed: the update comes
-        as usual), leaving the group, a dead sender or ``timeout_s`` without a signal; and
-        ``timeout_s`` after a receive whose request never came (then the engine is broken: its
-        weights changed without a version).
+        as usual), leaving the group, a dead sender or ``timeout_s`` without a signal. Weights
+        that arrived without their request: on leaving the group (the sender rejoins and
+        resends after a refusal) the gate stays closed until the next update; ``timeout_s``
+        after the receive the engine is broken (its weights changed without a version).
         """
         async with self._control:
             if not self.arms:
@@ -305,18 +306,24 @@ class Engine(ABC):
                 self._armed = None
                 await self._disarm(armed, f"no update request within {timeout_s:g} s")
 
-    async def _disarm(self, armed: _Armed, why: str, *, locked: bool = True) -> None:
-        """Let go of ``armed`` (no longer ``self._armed``): wait for its backend work to end,
-        mark the engine broken if weights arrived without their version, reopen the gate (unless
-        the engine was armed again meanwhile)."""
+    async def _disarm(self, armed: _Armed, why: str, *, locked: bool = True, hold: bool = False) -> None:
+        """Let go of ``armed`` (no longer ``self._armed``): wait for its backend work to end and
+        reopen the gate (unless the engine was armed again meanwhile). Weights that arrived
+        without their update: ``hold`` keeps the gate closed until the next update (the sender
+        resends after a refusal), else the engine is broken; a receive that failed half way
+        leaves it broken."""
         if not locked:
             async with self._control:
-                return await self._disarm(armed, why)
+                return await self._disarm(armed, why, hold=hold)
         if armed.expiry is not None:
             armed.expiry.cancel()
         v = armed.update.version
         try:
             if await armed.load:
+                if hold:
+                    log.warning("engine %s holds weight version %d (armed) without its update (%s): no work "
+                                "until the next update", self.engine_id, v, why)
+                    return
                 self._broken = f"weight version {v} arrived (armed) but its update did not ({why}): send a weight update"
         except NoSignal as e:
             log.warning("engine %s disarmed for weight version %d: %s", self.engine_id, v, e)
@@ -362,7 +369,7 @@ class Engine(ABC):
                 await self._leave_group()  # an armed wait ends here (its group is closed)
                 armed, self._armed = self._armed, None
                 if armed is not None:
-                    await self._disarm(armed, "left the weight group")
+                    await self._disarm(armed, "left the weight group", hold=True)
 
     async def sleep(self, level: int = 1) -> SleepState:
         """Stop serving and give memory back where the backend can (level 1: weights kept

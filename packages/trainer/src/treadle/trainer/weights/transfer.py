@@ -10,7 +10,8 @@ handed over with CUDA events, never a host wait: the broadcasts run on a stream 
 (kept by the sender from one sync to the next) that waits for the packing's event,
 and a freed buffer carries the event of its broadcast, which the packing stream waits for
 before writing into it again; so gathering and packing the next bucket are never queued behind
-a broadcast, and the host keeps enqueueing.
+a broadcast, and the host keeps enqueueing. For engines that were armed and signalled
+(``early``) the broadcast loop starts at once in a thread of its own, not at the acceptance.
 
 ``share_outcome`` / ``raise_outcome``: rank 0's result as one integer, all-reduced (max) over
 the trainer's ranks, so that every rank returns or raises alike and none is left waiting in a
@@ -124,8 +125,13 @@ class Transfer:
         if on_gpu and stream is None:
             raise ValueError("a Transfer of GPU buffers needs the CUDA stream its broadcasts run on")
         self._stream = stream if on_gpu else None
-        self._early = early
+        # Armed engines receive whatever the daemon answers: over gloo the broadcast is finished
+        # even after a refusal (a gloo receive cannot be interrupted: aborting its group does not
+        # unblock it, so a half-sent update would hold them until the timeout); over NCCL it
+        # stops (their communicators are aborted when they leave the group).
+        self._early, self._finish_all = early, early and group.spec.backend == "gloo"
         self.accepted, self.finished, self.broken = threading.Event(), threading.Event(), threading.Event()
+        self.ended = threading.Event()  # the broadcast loop has returned
         self.sent, self.send_seconds = 0, 0.0
         self.accepted_at = self.sent_at = self.answered_at = 0.0  # perf_counter() when the daemon accepted /
         # the last byte was sent / the daemon answered
@@ -157,7 +163,7 @@ class Transfer:
         finally:
             self.answered_at = time.perf_counter()
             self.finished.set()
-            if self._early and self.error is not None:
+            if self._early and not self._finish_all and self.error is not None:
                 self._ready.put(None)  # the broadcast thread may wait for buckets that will not come
 
     def _send(self) -> None:
@@ -191,6 +197,8 @@ class Transfer:
         except BaseException:
             self.broken.set()
             raise
+        finally:
+            self.ended.set()
 
     def wait_accepted(self) -> bool:
         """True once the daemon accepted the update; False when it answered (refused) first."""
@@ -201,9 +209,9 @@ class Transfer:
 
     def buffer(self) -> torch.Tensor | None:
         """A free buffer for the next bucket; None: broken, or the daemon answered without
-        accepting or with an error. A GPU buffer may still be in its broadcast: the caller's stream is made to
-        wait for it (the host does not)."""
-        while not self.broken.is_set() and not (self.finished.is_set()
+        accepting or with an error (unless an armed gloo broadcast, finished regardless). A GPU buffer may still be in its broadcast: the caller's
+        stream is made to wait for it (the host does not)."""
+        while not self.broken.is_set() and not (self.finished.is_set() and not self._finish_all
                                                 and (self.error is not None or not self.accepted.is_set())):
             with contextlib.suppress(queue.Empty):
                 buffer, done = self._free.get(timeout=0.05)
@@ -227,8 +235,11 @@ class Transfer:
         self._ready.put(None)
 
     def result(self) -> tuple[dict[str, Any] | None, BaseException | None]:
-        """The daemon's answer or the error, once the call has ended."""
+        """The daemon's answer or the error, once the call has ended (and an early broadcast
+        loop too: the daemon may answer before its last ``broadcast`` returned here)."""
         self.finished.wait()
+        if self._early:
+            self.ended.wait()
         return self.answer, self.error
 
 
