@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -10,7 +11,14 @@ import torch
 from treadle_testing import free_port
 
 from treadle.common.errors import BadRequest
-from treadle.rollout.engine.group import GroupSpec, WeightGroup, receive_buckets, send_buckets
+from treadle.rollout.engine import group as group_module
+from treadle.rollout.engine.group import (
+    GroupSpec,
+    NoSignal,
+    WeightGroup,
+    receive_buckets,
+    send_buckets,
+)
 from treadle.rollout.engine.weights import (
     TensorSpec,
     WeightMismatch,
@@ -82,6 +90,58 @@ def test_group_broadcast_delivers_bit_identical_tensors():
     sender.close()
     assert len(sizes) > 1 and [n for n, _ in got] == ["t0", "t2", "t3", "t4", "t5"]
     assert [_bits(x) for _, x in got] == [_bits(tensors[i]) for i in (0, 2, 3, 4, 5)]
+
+
+def _joined_pair(port: int) -> tuple[WeightGroup, WeightGroup]:
+    """A sender (rank 0) and a member (rank 1) of one gloo group, joined together."""
+    got: list[WeightGroup] = []
+    t = threading.Thread(target=lambda: got.append(
+        WeightGroup(GroupSpec(host="127.0.0.1", port=port, world_size=2, rank=1, timeout_s=30))))
+    t.start()
+    sender = WeightGroup(GroupSpec(host="127.0.0.1", port=port, world_size=2, rank=0, timeout_s=30))
+    t.join(30)
+    return sender, got[0]
+
+
+def test_a_signal_wait_ends_on_the_signal_or_when_its_group_closes_even_as_it_starts(monkeypatch):
+    """``wait_signal`` returns the sender's go / no for its version (older versions' signals are
+    skipped); ``close`` ends a wait with ``NoSignal``, also one that was only starting when the
+    close came (the close used to miss it, and the wait sat out its whole timeout)."""
+    sender, member = _joined_pair(free_port())
+    sender.signal(1, True)
+    sender.signal(2, False)  # overwrites: the member armed for 2 sees only this one
+    assert member.wait_signal(2, 10) is False
+    threading.Timer(0.3, lambda: sender.signal(3, True)).start()
+    assert member.wait_signal(3, 10) is True
+    with pytest.raises(NoSignal, match="within 0.2 s"):
+        member.wait_signal(4, 0.2)
+
+    starting, real = threading.Event(), group_module._prefixed
+
+    def slow_start(store, prefix):  # the waiter is inside wait_signal, not yet on the store
+        if threading.current_thread().name == "waiter":
+            starting.set()
+            time.sleep(0.5)
+        return real(store, prefix)
+
+    monkeypatch.setattr(group_module, "_prefixed", slow_start)
+    ended: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            member.wait_signal(5, 60)
+        except BaseException as e:  # noqa: BLE001 - recorded for the assertion
+            ended.append(e)
+
+    waiter = threading.Thread(target=wait, name="waiter", daemon=True)
+    waiter.start()
+    assert starting.wait(10)
+    member.close()
+    waiter.join(20)
+    assert len(ended) == 1 and isinstance(ended[0], NoSignal) and "closed" in str(ended[0])
+    with pytest.raises(NoSignal, match="closed before"):
+        member.wait_signal(6, 10)
+    sender.close()
 
 
 def test_group_spec_validates():

@@ -20,6 +20,7 @@ shapes or dtypes (``weights.WeightSpec``), or load anything into a model (the en
 from __future__ import annotations
 
 import datetime
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -91,7 +92,10 @@ class WeightGroup:
         import torch.distributed as dist
 
         self.spec = spec
-        self._waiting = False  # a member's ``wait_signal`` is blocked on the store
+        # ``wait_signal`` and ``close`` decide under this lock whether a waiter needs waking: a
+        # wait that starts after the close sees it; one that started before is woken.
+        self._lock = threading.Lock()
+        self._waiting = False  # a member's ``wait_signal`` is (about to be) blocked on the store
         timeout = datetime.timedelta(seconds=spec.timeout_s)
         # The sender hosts the store; receivers connect to it. wait_for_workers=False: joining is
         # awaited by the process-group constructor below, whose timeout names the knob.
@@ -119,13 +123,13 @@ class WeightGroup:
         when the sender's store is gone (the sender died)."""
         import torch.distributed as dist
 
-        store = self._store
-        if store is None:
-            raise NoSignal(f"weight group closed before version {version} was signalled")
-        store, key = _prefixed(store, _SIGNALS), f"go/{self.spec.rank}"
-        deadline = time.monotonic() + timeout_s
-        self._waiting = True
+        with self._lock:
+            if self._pg is None:
+                raise NoSignal(f"weight group closed before version {version} was signalled")
+            store, self._waiting = self._store, True
         try:
+            store, key = _prefixed(store, _SIGNALS), f"go/{self.spec.rank}"
+            deadline = time.monotonic() + timeout_s
             while True:
                 left = deadline - time.monotonic()
                 try:
@@ -138,14 +142,17 @@ class WeightGroup:
                     raise NoSignal(f"no signal for weight version {version} from the sender within {timeout_s:g} s") from None
                 except dist.DistError as e:
                     raise NoSignal(f"the sender's store is gone while waiting for version {version}: {e}") from None
-                if value == "closed" or self._pg is None:
+                if self._pg is None:
                     raise NoSignal(f"weight group closed while waiting for version {version}")
+                if value == "closed":
+                    continue  # a wake-up meant for an earlier handle of this rank on the sender's store
                 signalled, go = (int(x) for x in value.split())
                 if signalled == version:
                     return bool(go)
                 # an older version's signal, sent while this member was not armed: wait on
         finally:
-            self._waiting = False
+            with self._lock:
+                self._waiting = False
 
     def _wake_waiter(self) -> None:
         """Wake this member's ``wait_signal`` (its own store client is busy in the wait)."""
@@ -174,8 +181,10 @@ class WeightGroup:
         side): the process group is aborted, not shut down (a graceful shutdown waits for the
         work in flight, which may wait for members that never come). A gloo broadcast blocked in
         another thread stays blocked until the group's timeout."""
-        pg, self._pg = self._pg, None
-        if self._waiting:
+        with self._lock:
+            pg, self._pg = self._pg, None
+            waiting = self._waiting
+        if waiting:
             self._wake_waiter()
         if pg is not None:
             stop = getattr(pg, "abort", None) or getattr(pg, "shutdown", None)

@@ -319,6 +319,8 @@ class WeightSender:
                 transfer = self._announce(version, items, sizes, canary, early=go)
             except Exception as e:
                 err = e
+                if go:  # the engines went and wait for buckets that will not come: free them
+                    self._drop_group()
         peers = self._pulls(items, sizes)  # collective; the daemon accepts meanwhile
         if peers is None:  # gathers: every rank learns that the daemon accepted before anyone gathers
             if transfer is not None:
