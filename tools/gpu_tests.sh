@@ -14,18 +14,28 @@
 # daemon), ring attention equality over NCCL, the engine's NCCL receive.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# `tools/gpu_wheels.sh DIR --fa4` adds FlashAttention-4: pass DIR/fa4 and DIR_big too (a zip is
+# unpacked as is; FILE.xz is decompressed to the path its name gives, `--` for `/`). DIR_big fills
+# a device call alone: `TREADLE_GPU_UNPACK_ONLY=1 bash tools/gpu_tests.sh DIR_big` unpacks it into
+# the site folder and stops; the next call (same machine, still warm) passes the others.
 SITE=${TREADLE_GPU_SITE:-/tmp/treadle_gpu_site}
 mkdir -p "$SITE"
+shopt -s nullglob
 for dir in "$@"; do
-  for whl in "$dir"/*.whl; do
-    case "$whl" in
-      *deepspeed-*) python3 -m zipfile -e "$whl" "$SITE" ;;
-      *) python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$whl" ;;
+  for f in "$dir"/*.whl "$dir"/*.zip "$dir"/*.xz; do
+    case "$f" in
+      # plain unpacks: DeepSpeed (pure Python, JIT ops); the CUTLASS DSL's wheels share one folder,
+      # which pip --target would not merge
+      *deepspeed-*|*nvidia_cutlass_dsl*.whl|*.zip) python3 -m zipfile -e "$f" "$SITE" ;;
+      *.xz) to=$SITE/$(basename "$f" .xz); to=${to//--//}; mkdir -p "$(dirname "$to")"; xz -d -c "$f" > "$to" ;;
+      *) python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$f" ;;
     esac
   done
 done
+[ -n "${TREADLE_GPU_UNPACK_ONLY:-}" ] && exit 0
 SRC=$PWD/packages/common/src:$PWD/packages/rollout/src:$PWD/packages/rewards/src:$PWD/packages/trainer/src:$PWD/tools/testing
-export PYTHONPATH=$SRC:$SITE${PYTHONPATH:+:$PYTHONPATH}
+# the CUTLASS DSL's .pth (which --target does not run) puts its dsl_packages on the path
+export PYTHONPATH=$SRC:$SITE:$SITE/nvidia_cutlass_dsl/dsl_packages${PYTHONPATH:+:$PYTHONPATH}
 # NVLink multicast stays off on shared hosts; tool caches stay out of the home folder.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 HF_HUB_OFFLINE=1 \
   TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-/tmp/treadle_torch_ext} TOKENIZERS_PARALLELISM=false OMP_NUM_THREADS=4

@@ -24,8 +24,9 @@ them: + 6 * layers * hidden * seq per token (causal, forward + backward, within 
 
 Variants (``VARIANTS``): ``baseline`` is what treadle emitted before the tuning (DeepSpeed's own
 ZeRO-3 bucket defaults, no overlap, transformers' SDPA attention on packed rows, no compile);
-``tuned`` is overlap_comm + the new bucket defaults + ``treadle_varlen`` attention +
-``--ds.compile_layers``; the others take one piece away to show what each is worth.
+``tuned`` is overlap_comm + the new bucket defaults + ``treadle_varlen`` attention (its fastest
+kernel: FlashAttention-4 where flash-attn-4 is installed) + ``--ds.compile_layers``; the others
+take one piece away to show what each is worth (``tuned_fa2``: PyTorch's varlen FA2 instead).
 
 ``--sweep size:variant,...`` runs variants one after another, each its own ``torchrun`` (a
 ZeRO-3 engine does not give its memory back inside a process), within ``--deadline-s``;
@@ -63,6 +64,8 @@ _DS_DEFAULTS = dict(zero3_prefetch_bucket_size=50_000_000, zero3_param_persisten
 VARIANTS: dict[str, dict[str, Any]] = {
     "baseline": dict(ds=dict(overlap_comm=False, **_DS_DEFAULTS), attn="sdpa"),
     "tuned": dict(ds=dict(overlap_comm=True, compile_layers=True), attn="treadle_varlen"),
+    # tuned, with PyTorch's varlen FlashAttention-2 even where flash-attn-4 is installed
+    "tuned_fa2": dict(ds=dict(overlap_comm=True, compile_layers=True, varlen_kernel="flash_varlen"), attn="treadle_varlen"),
     "tuned_eager": dict(ds=dict(overlap_comm=True), attn="treadle_varlen"),
     "tuned_sdpa": dict(ds=dict(overlap_comm=True), attn="sdpa"),
     "ds_tuned_only": dict(ds=dict(overlap_comm=True, compile_layers=True), attn="sdpa"),
@@ -233,7 +236,8 @@ def run_variant(args: argparse.Namespace) -> None:
         if ds.attn_implementation == "treadle_varlen":
             from treadle.trainer.ops.varlen_attention import kernel_name  # noqa: PLC0415
 
-            out["attn_kernel"] = kernel_name(torch.empty(1, dtype=torch.bfloat16 if cuda else torch.float32,
+            head_dim = shape["hidden_size"] // shape["num_attention_heads"]
+            out["attn_kernel"] = kernel_name(torch.empty(1, 1, head_dim, dtype=torch.bfloat16 if cuda else torch.float32,
                                                          device=dist.device))
         flops_tok = 6 * params
         attn_tok = 6 * shape["num_hidden_layers"] * shape["hidden_size"] * seq

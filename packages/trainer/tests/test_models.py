@@ -148,7 +148,7 @@ def test_attention_choice():
     assert attn_implementation("eager") == "eager"
     assert attn_implementation("treadle_varlen") == "treadle_varlen"
     assert attn_implementation(None, packing=True, cuda=False) == "sdpa"
-    if importlib.util.find_spec("flash_attn") is None:
+    if importlib.util.find_spec("flash_attn_2_cuda") is None:
         # packed rows on CUDA without flash-attn: SDPA would build a block-diagonal mask over the whole row
         assert attn_implementation(None, packing=True, cuda=True) == "treadle_varlen"
         assert attn_implementation(None, packing=False, cuda=True) == "sdpa"
@@ -157,6 +157,35 @@ def test_attention_choice():
 
         with pytest.raises(ConfigError, match="flash-attn"):
             attn_implementation("flash_attention_2")
+
+
+def test_flash_attn_4_alone_is_not_taken_for_flash_attention_2(monkeypatch):
+    """flash-attn-4 installs a ``flash_attn`` package (``flash_attn.cute``) without FlashAttention-2's
+    kernels: packed rows on CUDA still get treadle_varlen (whose fastest kernel is FA4's)."""
+    real = importlib.util.find_spec
+
+    def fa4_only(name, *a, **kw):
+        if name == "flash_attn":
+            return real("json")  # any spec: the package is there
+        return None if name == "flash_attn_2_cuda" else real(name, *a, **kw)
+
+    monkeypatch.setattr(importlib.util, "find_spec", fa4_only)
+    assert attn_implementation(None, packing=True, cuda=True) == "treadle_varlen"
+
+
+def test_varlen_kernel_choice_starts_where_named_and_falls_back():
+    from treadle.trainer.ops import varlen_attention as va
+
+    q = torch.zeros(4, 2, 8)
+    try:
+        assert attn_implementation("treadle_varlen", varlen_kernel="flash_varlen") == "treadle_varlen"
+        assert va.kernel_name(q) == "sdpa_by_sequence"  # CPU fp32: neither flash kernel fits
+        assert va._start == "flash_varlen"
+        with pytest.raises(ValueError, match="'fa3'"):
+            va.register("fa3")
+    finally:
+        va.register()
+    assert va._start == "fa4_varlen"
 
 
 def test_lora_trains_only_adapters_and_exports_merged(tiny, tokenizer, tmp_path):

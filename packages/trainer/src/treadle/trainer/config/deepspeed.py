@@ -51,6 +51,8 @@ class DeepSpeedConfig:
     """Keep parameters in CPU memory between uses (ZeRO-3 only)."""
     attn_implementation: str | None = None
     """HF attention implementation: eager, sdpa, flash_attention_2, flash_attention_3, treadle_varlen (packed rows without flash-attn), or a kernels-hub name; None: flash_attention_2 where flash-attn is installed on CUDA, else treadle_varlen for packed rows on CUDA, else sdpa."""
+    varlen_kernel: Literal["auto", "fa4_varlen", "flash_varlen", "sdpa_by_sequence"] = "auto"
+    """treadle_varlen's kernel: auto takes the fastest that fits (FlashAttention-4 on Hopper / Blackwell where the flash-attn-4 package is installed, 1.7x FlashAttention-2's forward + backward on an H200; then PyTorch's varlen FlashAttention-2; then SDPA per sequence); a name starts the search there."""
     experts_implementation: Literal["eager", "batched_mm", "grouped_mm", "deepgemm"] | None = None
     """MoE expert computation passed to transformers; None lets transformers choose."""
     use_liger_kernel: bool = False

@@ -23,9 +23,11 @@ from treadle.trainer.config.deepspeed import DeepSpeedConfig, LoraConfig
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
-def attn_implementation(requested: str | None, *, packing: bool = False, cuda: bool | None = None) -> str:
+def attn_implementation(requested: str | None, *, packing: bool = False, cuda: bool | None = None,
+                        varlen_kernel: str = "auto") -> str:
     """The attention kernel to use: ``requested``, or flash_attention_2 on CUDA with flash-attn,
-    else on CUDA with ``packing`` treadle_varlen (``ops.varlen_attention``, registered here), else sdpa.
+    else on CUDA with ``packing`` treadle_varlen (``ops.varlen_attention``, registered here with
+    ``varlen_kernel``), else sdpa.
 
     On 2xH200, packed 32k-token rows ran 5x slower with SDPA than with treadle_varlen and the
     1.35B model ran out of memory (docs/benchmarks.md, "GPU trainer throughput").
@@ -33,11 +35,12 @@ def attn_implementation(requested: str | None, *, packing: bool = False, cuda: b
     from treadle.trainer.ops.varlen_attention import VARLEN_ATTN_NAME, register  # noqa: PLC0415
 
     cuda = torch.cuda.is_available() if cuda is None else cuda
-    flash = importlib.util.find_spec("flash_attn") is not None and cuda
+    # FlashAttention-2's compiled module: flash-attn-4 installs a ``flash_attn`` package too (``.cute``)
+    flash = importlib.util.find_spec("flash_attn_2_cuda") is not None and cuda
     if requested is None:
         requested = "flash_attention_2" if flash else VARLEN_ATTN_NAME if packing and cuda else "sdpa"
     if requested == VARLEN_ATTN_NAME:
-        return register()
+        return register(varlen_kernel)
     if requested.startswith("flash_attention") and not flash:
         raise ConfigError(f"--ds.attn_implementation {requested} needs CUDA and the flash-attn package; "
                           "use sdpa (or leave the flag unset to choose automatically)")
@@ -75,7 +78,7 @@ def _common_kwargs(ds: DeepSpeedConfig) -> dict[str, Any]:
     if ring:
         attn = ring_attn_implementation(ds.attn_implementation)
     else:
-        attn = attn_implementation(ds.attn_implementation, packing=ds.packing_samples)
+        attn = attn_implementation(ds.attn_implementation, packing=ds.packing_samples, varlen_kernel=ds.varlen_kernel)
     kw: dict[str, Any] = {"dtype": DTYPES[ds.param_dtype], "attn_implementation": attn}
     if ds.experts_implementation is not None:
         kw["experts_implementation"] = ds.experts_implementation

@@ -11,9 +11,13 @@ rows hold one sequence each and right padding only follows real tokens, so padde
 no mask either (padding positions compute values that the losses mask out). transformers' mask
 interface does not know the name, so it builds no mask.
 
-Kernels: PyTorch's variable-length flash attention (``torch.nn.attention.varlen``) for bf16 /
-fp16 on CUDA; otherwise (CPU, fp32, or a torch without it) causal SDPA sequence by sequence, which
-computes the same values.
+Kernels, the first that fits (``kernel_name``): FlashAttention-4's variable-length kernels
+(``flash_attn.cute``, the ``flash-attn-4`` package) on Hopper and Blackwell GPUs where that package
+is installed ("fa4_varlen": Hopper-native forward and backward; PyTorch's own varlen attention is
+FlashAttention-2); PyTorch's variable-length flash attention (``torch.nn.attention.varlen``) for
+bf16 / fp16 on CUDA ("flash_varlen"); otherwise (CPU, fp32, or a torch without it) causal SDPA
+sequence by sequence ("sdpa_by_sequence"), which computes the same values. ``register(kernel)``
+(``--ds.varlen_kernel``) names where the search starts, ruling out the faster ones.
 
 The function is excluded from ``torch.compile`` (``--ds.compile_layers`` compiles the layers
 around it): finding the sequences reads the positions back to the host, once per forward pass;
@@ -89,6 +93,29 @@ def _varlen_kernel() -> tuple[Any, frozenset[str]] | None:
     return varlen_attn, frozenset(inspect.signature(varlen_attn).parameters)
 
 
+@functools.cache
+def _fa4_kernel() -> Any | None:
+    """flash-attn-4's ``flash_attn_varlen_func``, or None where it is not installed (or its CUDA
+    libraries do not load)."""
+    try:
+        from flash_attn.cute import flash_attn_varlen_func  # noqa: PLC0415
+    except Exception:  # noqa: BLE001 - ImportError, or a failing native library: use another kernel
+        return None
+    return flash_attn_varlen_func
+
+
+def _fa4_fits(q: Tensor) -> bool:
+    """Hopper / Blackwell, head dim a multiple of 8 up to 128 (both archs' common range)."""
+    return (torch.cuda.get_device_capability(q.device)[0] in (9, 10) and q.shape[-1] % 8 == 0
+            and q.shape[-1] <= 128 and _fa4_kernel() is not None)
+
+
+def _fa4(q: Tensor, k: Tensor, v: Tensor, seg: Segments, scale: float) -> Tensor:
+    out, _ = _fa4_kernel()(q, k, v, cu_seqlens_q=seg.cu, cu_seqlens_k=seg.cu, max_seqlen_q=seg.max_len,
+                           max_seqlen_k=seg.max_len, softmax_scale=scale, causal=True)
+    return out
+
+
 def _flash(q: Tensor, k: Tensor, v: Tensor, seg: Segments, scale: float) -> Tensor:
     kernel, names = _varlen_kernel()  # type: ignore[misc]
     kw: dict[str, Any] = {"scale": scale}
@@ -113,16 +140,25 @@ def _by_sequence(q: Tensor, k: Tensor, v: Tensor, seg: Segments, scale: float) -
     return torch.cat(outs)
 
 
+KERNELS = ("fa4_varlen", "flash_varlen", "sdpa_by_sequence")
+"""Fastest first."""
+_start = KERNELS[0]  # where ``kernel_name`` starts looking (``register``)
+
+
 def kernel_name(q: Tensor) -> str:
-    """The kernel ``varlen_attention`` uses for tensors like ``q``: "flash_varlen" or "sdpa_by_sequence"."""
-    fast = q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and _varlen_kernel() is not None
-    return "flash_varlen" if fast else "sdpa_by_sequence"
+    """The kernel ``varlen_attention`` uses for tensors like ``q``: the first of ``KERNELS``, from
+    the one ``register`` named, that fits them."""
+    half = q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
+    fits = {"fa4_varlen": lambda: half and _fa4_fits(q), "flash_varlen": lambda: half and _varlen_kernel() is not None,
+            "sdpa_by_sequence": lambda: True}
+    return next(k for k in KERNELS[KERNELS.index(_start):] if fits[k]())
 
 
 def varlen_attention(q: Tensor, k: Tensor, v: Tensor, seg: Segments, scale: float) -> Tensor:
     """Causal attention within each sequence: q ``[N, H, d]``, k / v ``[N, Hk, d]`` (Hk divides H),
     N = the flattened tokens of ``seg`` -> ``[N, H, d]``."""
-    return (_flash if kernel_name(q) == "flash_varlen" else _by_sequence)(q, k, v, seg, scale)
+    run = {"fa4_varlen": _fa4, "flash_varlen": _flash, "sdpa_by_sequence": _by_sequence}[kernel_name(q)]
+    return run(q, k, v, seg, scale)
 
 
 @torch.compiler.disable
@@ -146,9 +182,15 @@ def varlen_attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor
     return out.reshape(r, t, h, d), None
 
 
-def register() -> str:
-    """Make ``"treadle_varlen"`` a transformers attention implementation (idempotent); returns the name."""
+def register(kernel: str = "auto") -> str:
+    """Make ``"treadle_varlen"`` a transformers attention implementation (idempotent) whose kernel
+    is the fastest that fits from ``kernel`` on (one of ``KERNELS``; "auto": the first); returns
+    the name."""
     from transformers import AttentionInterface  # noqa: PLC0415
 
+    global _start
+    if kernel != "auto" and kernel not in KERNELS:
+        raise ValueError(f"varlen attention kernel {kernel!r}: expected auto or one of {', '.join(KERNELS)}")
+    _start = KERNELS[0] if kernel == "auto" else kernel
     AttentionInterface.register(VARLEN_ATTN_NAME, varlen_attention_forward)
     return VARLEN_ATTN_NAME
