@@ -50,6 +50,35 @@ def test_packed_equals_padded_on_cuda(tiny, attn, dtype, tol):
     assert torch.allclose(sa, sb, rtol=1e-3 if dtype == "fp32" else 2e-2, atol=1e-3 if dtype == "fp32" else 1.0)
 
 
+def test_logprobs_and_entropy_compiled_on_cuda_equal_the_fp32_formulas():
+    """On CUDA each chunk's math is compiled (one graph for every chunk length): log-probs and
+    entropies, values and gradients, equal the plain fp32 formulas' for rows of several lengths
+    and vocabularies."""
+    from treadle.trainer.ops.logprobs import chunked_entropy, picked_logprobs
+
+    def log_softmax(x):
+        return torch.log_softmax(x.float() / 0.7, dim=-1)
+
+    cases = {"logprobs": (lambda x, ids: picked_logprobs(x, ids, 0.7, chunk=512),
+                          lambda x, ids: log_softmax(x).gather(-1, ids[..., None]).squeeze(-1)),
+             "entropy": (lambda x, ids: chunked_entropy(x, 0.7, chunk=512),
+                         lambda x, ids: -(log_softmax(x).exp() * log_softmax(x)).sum(-1))}
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for length, vocab in ((1500, 32000), (777, 32000), (300, 1000)):
+        base = (torch.randn(2, length, vocab, device="cuda", generator=g) * 4).bfloat16()
+        ids = torch.randint(0, vocab, (2, length), device="cuda", generator=g)
+        weights = torch.randn(2, length, device="cuda", generator=g)
+        for name, (chunked, formula) in cases.items():
+            a, b = base.clone().requires_grad_(), base.clone().requires_grad_()
+            got, want = chunked(a, ids), formula(b, ids)
+            assert (got - want).abs().max().item() < 1e-4, name
+            (got * weights).sum().backward()
+            (want * weights).sum().backward()
+            assert a.grad.dtype == torch.bfloat16
+            err = (a.grad.float() - b.grad.float()).abs().max().item()
+            assert err <= 0.01 * b.grad.float().abs().max().item(), (name, err)
+
+
 @pytest.mark.parametrize(("lengths", "heads"), [([300, 77, 1024, 5, 2999, 17], (16, 16)), ([700, 1500, 33], (16, 4))])
 def test_varlen_kernels_equal_fp32_attention_forward_and_backward(lengths, heads):
     """Each of treadle_varlen's bf16 kernels that fits here (FA4 where flash-attn-4 is installed;

@@ -200,3 +200,26 @@ def test_kto_kl_baseline_is_clamped_mean_and_detached():
     z = kto_kl_baseline(pk, T([-4.0, -4.0]))
     assert z.item() == 2.0 and not z.requires_grad
     assert kto_kl_baseline(T([-5.0]), T([-1.0])).item() == 0.0  # negative estimate clamps to 0
+
+
+def test_compiled_chunks_fall_back_to_eager_when_compiling_fails(monkeypatch):
+    """On CUDA the chunk functions go through torch.compile; where that fails (no Triton, no
+    compiler) the same math runs eagerly from then on, and compiling is not tried again."""
+    from treadle.trainer.ops import logprobs as lp
+
+    tries = []
+
+    def failing_compile(fn, **kw):
+        def run(*args):
+            tries.append(fn.__name__)
+            raise RuntimeError("no triton")
+        return run
+
+    monkeypatch.setattr(torch, "compile", failing_compile)
+    fused = lp._Fused(lp._pick)
+    x, ids = torch.randn(4, 7), torch.tensor([0, 3, 6, 2])
+    want = lp._pick(x, ids, 0.5)
+    for _ in range(3):
+        got = fused(x, ids, 0.5)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert tries == ["_pick"] and fused.compiled is None

@@ -9,16 +9,25 @@ each packed sequence (predicted from the previous sequence) is the batch builder
 Log-probabilities are computed in fp32 a chunk of ``CHUNK_TOKENS`` positions at a time
 (``picked_logprobs``): autograd keeps only the logits and one fp32 log-sum-exp per position, not
 an fp32 copy of the ``[T, V]`` logits, and the backward recomputes each chunk's softmax. With a
-152k vocabulary that is 0.6 MiB a token less to hold through the backward.
+152k vocabulary that is 0.6 MiB a token less to hold through the backward. On CUDA each chunk's
+math is one ``torch.compile``-d function (``_pick`` / ``_entropy`` forward, ``_pick_grad`` /
+``_entropy_grad`` backward): a pass or two over the chunk's logits instead of one per operation
+(the eager log-prob backward made six). On one H200, 1.35B SFT step at 49k tokens: 0.786 s
+against 0.821 s eager.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from treadle.common.log import get_logger
+
+log = get_logger(__name__)
 CHUNK_TOKENS = 1024
 """Positions per fp32 chunk in ``picked_logprobs`` (a chunk holds CHUNK_TOKENS x V fp32 values)."""
 
@@ -27,10 +36,46 @@ def _chunks(rows: int, length: int, chunk: int) -> list[tuple[int, int, int]]:
     return [(r, a, min(length, a + chunk)) for r in range(rows) for a in range(0, length, chunk)]
 
 
-def _scaled(logits: Tensor, tau: float) -> Tensor:
-    """z = logits / tau as a new fp32 tensor: never the caller's (``.float()`` of fp32 logits is
-    the tensor itself, and autograd's saved logits must not change)."""
-    return logits.float() / tau
+def _pick(logits: Tensor, ids: Tensor, tau: float) -> tuple[Tensor, Tensor]:
+    """One chunk, logits ``[S, V]``, ids ``[S]`` -> (log p[ids], logsumexp), z = logits / tau in fp32."""
+    z = logits.float() / tau
+    lse = torch.logsumexp(z, dim=-1)
+    return z.gather(-1, ids[:, None]).squeeze(-1) - lse, lse
+
+
+def _pick_grad(logits: Tensor, ids: Tensor, lse: Tensor, grad: Tensor, tau: float) -> Tensor:
+    """One chunk of d(log p[ids]) / d logits = (onehot(ids) - softmax(z)) * grad / tau, in the
+    logits' dtype."""
+    z = logits.float() / tau
+    hit = torch.arange(z.shape[-1], device=z.device) == ids[:, None]
+    return ((hit.float() - torch.exp(z - lse[:, None])) * (grad.float()[:, None] / tau)).to(logits.dtype)
+
+
+class _Fused:
+    """``fn`` through ``torch.compile`` (one graph for every chunk length and vocabulary); eager
+    from the first failure to compile on (no Triton, no compiler: the same math, unfused)."""
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn, self.compiled = fn, torch.compile(fn, dynamic=True)
+
+    def __call__(self, *args: Any) -> Any:
+        if self.compiled is not None:
+            try:
+                return self.compiled(*args)
+            except Exception as e:  # noqa: BLE001 - a compile failure: fall back, say so once
+                log.warning("log-prob chunks run eagerly: torch.compile of %s failed: %s", self.fn.__name__, e)
+                self.compiled = None
+        return self.fn(*args)
+
+
+@functools.cache
+def _fused(fn: Callable[..., Any]) -> _Fused:
+    return _Fused(fn)
+
+
+def _on(logits: Tensor, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` compiled for CUDA tensors (fused passes), as it is elsewhere (CPU: no compile time)."""
+    return _fused(fn) if logits.is_cuda else fn
 
 
 def _check_chunk(chunk: int, name: str) -> None:
@@ -48,10 +93,9 @@ class _PickedLogprobs(torch.autograd.Function):
         rows, length, _ = logits.shape
         out = torch.empty(rows, length, dtype=torch.float32, device=logits.device)
         lse = torch.empty_like(out)
+        pick = _on(logits, _pick)
         for r, a, b in _chunks(rows, length, chunk):
-            z = _scaled(logits[r, a:b], temperature)
-            lse[r, a:b] = torch.logsumexp(z, dim=-1)
-            out[r, a:b] = z.gather(-1, ids[r, a:b, None]).squeeze(-1) - lse[r, a:b]
+            out[r, a:b], lse[r, a:b] = pick(logits[r, a:b], ids[r, a:b], temperature)
         ctx.save_for_backward(logits, ids, lse)
         ctx.temperature, ctx.chunk = temperature, chunk
         return out
@@ -59,14 +103,11 @@ class _PickedLogprobs(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:
         logits, ids, lse = ctx.saved_tensors
-        tau = ctx.temperature
         rows, length, _ = logits.shape
         grad_logits = torch.empty_like(logits)
+        step = _on(logits, _pick_grad)
         for r, a, b in _chunks(rows, length, ctx.chunk):
-            g = grad[r, a:b, None].float()
-            dz = torch.exp(_scaled(logits[r, a:b], tau).sub_(lse[r, a:b, None])).mul_(-g)
-            dz.scatter_add_(-1, ids[r, a:b, None], g)
-            grad_logits[r, a:b] = dz.div_(tau)
+            grad_logits[r, a:b] = step(logits[r, a:b], ids[r, a:b], lse[r, a:b], grad[r, a:b], ctx.temperature)
         return grad_logits, None, None, None
 
 
@@ -86,6 +127,21 @@ def token_logprobs(logits: Tensor, input_ids: Tensor, temperature: float = 1.0) 
     return torch.nn.functional.pad(picked_logprobs(logits[:, :-1], input_ids[:, 1:], temperature), (1, 0))
 
 
+def _entropy(logits: Tensor, tau: float) -> tuple[Tensor, Tensor]:
+    """One chunk, logits ``[S, V]`` -> (entropy, logsumexp), z = logits / tau in fp32; -sum p log p,
+    not lse - sum p z (no cancellation of two large terms)."""
+    z = logits.float() / tau
+    lse = torch.logsumexp(z, dim=-1)
+    logp = z - lse[:, None]
+    return -(torch.exp(logp) * logp).sum(-1), lse
+
+
+def _entropy_grad(logits: Tensor, lse: Tensor, ent: Tensor, grad: Tensor, tau: float) -> Tensor:
+    """One chunk of dH / d logits = -p (log p + H) * grad / tau, in the logits' dtype."""
+    logp = logits.float() / tau - lse[:, None]
+    return (torch.exp(logp) * (logp + ent[:, None]) * (grad.float()[:, None] / -tau)).to(logits.dtype)
+
+
 class _Entropy(torch.autograd.Function):
     """logits ``[R, S, V]`` -> ``[R, S]`` fp32: H = -sum_v p_v log p_v, log p = z - lse(z), z = logits / tau.
 
@@ -96,11 +152,9 @@ class _Entropy(torch.autograd.Function):
         rows, length, _ = logits.shape
         ent = torch.empty(rows, length, dtype=torch.float32, device=logits.device)
         lse = torch.empty_like(ent)
+        step = _on(logits, _entropy)
         for r, a, b in _chunks(rows, length, chunk):
-            z = _scaled(logits[r, a:b], temperature)
-            lse[r, a:b] = torch.logsumexp(z, dim=-1)
-            logp = z.sub_(lse[r, a:b, None])  # -sum p log p, not lse - sum p z: no cancellation of two large terms
-            ent[r, a:b] = -(torch.exp(logp) * logp).sum(-1)
+            ent[r, a:b], lse[r, a:b] = step(logits[r, a:b], temperature)
         ctx.save_for_backward(logits, lse, ent)
         ctx.temperature, ctx.chunk = temperature, chunk
         return ent
@@ -108,13 +162,11 @@ class _Entropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
         logits, lse, ent = ctx.saved_tensors
-        tau = ctx.temperature
         rows, length, _ = logits.shape
         grad_logits = torch.empty_like(logits)
+        step = _on(logits, _entropy_grad)
         for r, a, b in _chunks(rows, length, ctx.chunk):
-            logp = _scaled(logits[r, a:b], tau).sub_(lse[r, a:b, None])
-            dz = torch.exp(logp).mul_(logp.add_(ent[r, a:b, None])).mul_(-grad[r, a:b, None].float() / tau)
-            grad_logits[r, a:b] = dz
+            grad_logits[r, a:b] = step(logits[r, a:b], lse[r, a:b], ent[r, a:b], grad[r, a:b], ctx.temperature)
         return grad_logits, None, None
 
 
