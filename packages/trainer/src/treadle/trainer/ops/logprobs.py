@@ -62,6 +62,8 @@ class _Fused:
         if self.compiled is not None:
             try:
                 return self.compiled(*args)
+            except torch.OutOfMemoryError:
+                raise  # the step's, not the compiler's
             except Exception as e:  # noqa: BLE001 - a compile failure: fall back, say so once
                 log.warning("log-prob chunks run eagerly: torch.compile of %s failed: %s", self.fn.__name__, e)
                 self.compiled = None
