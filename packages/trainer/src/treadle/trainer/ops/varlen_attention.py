@@ -185,7 +185,8 @@ def varlen_attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor
 def register(kernel: str = "auto") -> str:
     """Make ``"treadle_varlen"`` a transformers attention implementation (idempotent) whose kernel
     is the fastest that fits from ``kernel`` on (one of ``KERNELS``; "auto": the first); returns
-    the name."""
+    the name. The choice is the process's: models loaded later with another kernel change it for
+    all (a trainer's models share one ``DeepSpeedConfig``)."""
     from transformers import AttentionInterface  # noqa: PLC0415
 
     global _start
