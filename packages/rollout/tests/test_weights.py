@@ -69,29 +69,6 @@ def test_pack_then_unpack_is_bit_identical():
     assert [(_bits(a), a.dtype, a.shape) for a in tensors] == [(_bits(b), b.dtype, b.shape) for b in views]
 
 
-def test_group_broadcast_delivers_bit_identical_tensors():
-    tensors = _mixed()
-    dtypes, shapes = [str(t.dtype)[6:] for t in tensors], [list(t.shape) for t in tensors]
-    sizes = plan_buckets([t.numel() * t.element_size() for t in tensors], 100)
-    port = free_port()
-    got: list = []
-
-    def receiver():
-        g = WeightGroup(GroupSpec(host="127.0.0.1", port=port, world_size=2, rank=1, timeout_s=30))
-        got.extend((n, t.clone()) for n, t in receive_buckets(g, [f"t{i}" for i in range(6)], dtypes, shapes,
-                                                             sizes, skip=frozenset({"t1"})))
-        g.close()
-
-    t = threading.Thread(target=receiver)
-    t.start()
-    sender = WeightGroup(GroupSpec(host="127.0.0.1", port=port, world_size=2, rank=0, timeout_s=30))
-    send_buckets(sender, tensors, sizes)
-    t.join(30)
-    sender.close()
-    assert len(sizes) > 1 and [n for n, _ in got] == ["t0", "t2", "t3", "t4", "t5"]
-    assert [_bits(x) for _, x in got] == [_bits(tensors[i]) for i in (0, 2, 3, 4, 5)]
-
-
 def _joined_pair(port: int) -> tuple[WeightGroup, WeightGroup]:
     """A sender (rank 0) and a member (rank 1) of one gloo group, joined together."""
     got: list[WeightGroup] = []
@@ -101,6 +78,27 @@ def _joined_pair(port: int) -> tuple[WeightGroup, WeightGroup]:
     sender = WeightGroup(GroupSpec(host="127.0.0.1", port=port, world_size=2, rank=0, timeout_s=30))
     t.join(30)
     return sender, got[0]
+
+
+def test_group_broadcast_delivers_bit_identical_tensors():
+    tensors = _mixed()
+    dtypes, shapes = [str(t.dtype)[6:] for t in tensors], [list(t.shape) for t in tensors]
+    sizes = plan_buckets([t.numel() * t.element_size() for t in tensors], 100)
+    sender, member = _joined_pair(free_port())
+    got: list = []
+
+    def receiver():
+        got.extend((n, t.clone()) for n, t in receive_buckets(member, [f"t{i}" for i in range(6)], dtypes, shapes,
+                                                             sizes, skip=frozenset({"t1"})))
+        member.close()
+
+    t = threading.Thread(target=receiver)
+    t.start()
+    send_buckets(sender, tensors, sizes)
+    t.join(30)
+    sender.close()
+    assert len(sizes) > 1 and [n for n, _ in got] == ["t0", "t2", "t3", "t4", "t5"]
+    assert [_bits(x) for _, x in got] == [_bits(tensors[i]) for i in (0, 2, 3, 4, 5)]
 
 
 def test_a_signal_wait_ends_on_the_signal_or_when_its_group_closes_even_as_it_starts(monkeypatch):

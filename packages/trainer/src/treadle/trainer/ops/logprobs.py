@@ -70,9 +70,7 @@ class _Fused:
         return self.fn(*args)
 
 
-@functools.cache
-def _fused(fn: Callable[..., Any]) -> _Fused:
-    return _Fused(fn)
+_fused = functools.cache(_Fused)  # one per chunk function
 
 
 def _on(logits: Tensor, fn: Callable[..., Any]) -> Callable[..., Any]:

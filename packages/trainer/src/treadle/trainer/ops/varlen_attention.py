@@ -104,12 +104,6 @@ def _fa4_kernel() -> Any | None:
     return flash_attn_varlen_func
 
 
-def _fa4_fits(q: Tensor) -> bool:
-    """Hopper / Blackwell, head dim a multiple of 8 up to 128 (both archs' common range)."""
-    return (torch.cuda.get_device_capability(q.device)[0] in (9, 10) and q.shape[-1] % 8 == 0
-            and q.shape[-1] <= 128 and _fa4_kernel() is not None)
-
-
 def _fa4(q: Tensor, k: Tensor, v: Tensor, seg: Segments, scale: float) -> Tensor:
     out, _ = _fa4_kernel()(q, k, v, cu_seqlens_q=seg.cu, cu_seqlens_k=seg.cu, max_seqlen_q=seg.max_len,
                            max_seqlen_k=seg.max_len, softmax_scale=scale, causal=True)
@@ -142,23 +136,34 @@ def _by_sequence(q: Tensor, k: Tensor, v: Tensor, seg: Segments, scale: float) -
 
 KERNELS = ("fa4_varlen", "flash_varlen", "sdpa_by_sequence")
 """Fastest first."""
+_RUN = {"fa4_varlen": _fa4, "flash_varlen": _flash, "sdpa_by_sequence": _by_sequence}
 _start = KERNELS[0]  # where ``kernel_name`` starts looking (``register``)
+
+
+def _fits(kernel: str, q: Tensor) -> bool:
+    """Whether ``kernel`` is installed and runs tensors like ``q``: the flash kernels need bf16 /
+    fp16 on CUDA; FA4 also Hopper / Blackwell and a head dim that is a multiple of 8 up to 128
+    (both archs' common range)."""
+    if kernel == "sdpa_by_sequence":
+        return True
+    if not (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)):
+        return False
+    if kernel == "flash_varlen":
+        return _varlen_kernel() is not None
+    return (torch.cuda.get_device_capability(q.device)[0] in (9, 10) and q.shape[-1] % 8 == 0
+            and q.shape[-1] <= 128 and _fa4_kernel() is not None)
 
 
 def kernel_name(q: Tensor) -> str:
     """The kernel ``varlen_attention`` uses for tensors like ``q``: the first of ``KERNELS``, from
     the one ``register`` named, that fits them."""
-    half = q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
-    fits = {"fa4_varlen": lambda: half and _fa4_fits(q), "flash_varlen": lambda: half and _varlen_kernel() is not None,
-            "sdpa_by_sequence": lambda: True}
-    return next(k for k in KERNELS[KERNELS.index(_start):] if fits[k]())
+    return next(k for k in KERNELS[KERNELS.index(_start):] if _fits(k, q))
 
 
 def varlen_attention(q: Tensor, k: Tensor, v: Tensor, seg: Segments, scale: float) -> Tensor:
     """Causal attention within each sequence: q ``[N, H, d]``, k / v ``[N, Hk, d]`` (Hk divides H),
     N = the flattened tokens of ``seg`` -> ``[N, H, d]``."""
-    run = {"fa4_varlen": _fa4, "flash_varlen": _flash, "sdpa_by_sequence": _by_sequence}[kernel_name(q)]
-    return run(q, k, v, seg, scale)
+    return _RUN[kernel_name(q)](q, k, v, seg, scale)
 
 
 @torch.compiler.disable
