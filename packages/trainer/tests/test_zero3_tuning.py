@@ -9,7 +9,8 @@ import torch
 from treadle.common.config import ConfigError
 from treadle.trainer.config.deepspeed import DeepSpeedConfig
 from treadle.trainer.config.optim import OptimizerConfig
-from treadle.trainer.ops.varlen_attention import _MEMO, register, segments, varlen_attention
+from treadle.trainer.ops import varlen_attention as va
+from treadle.trainer.ops.varlen_attention import register, segments, varlen_attention
 from treadle.trainer.strategy.deepspeed import compile_layers, decoder_layers, ds_config
 
 
@@ -82,12 +83,12 @@ def test_segments_start_at_each_zero_position_and_each_row():
 
 def test_memo_recomputes_for_a_new_tensor_or_an_in_place_change():
     pos = torch.tensor([[0, 1, 0, 1]])
-    first = _MEMO.get(pos)
-    assert _MEMO.get(pos) is first
+    first = va._found_segments(pos, 1)
+    assert va._found_segments(pos, 1) is first
     same_values = pos.clone()
-    assert _MEMO.get(same_values) is not first and _MEMO.get(same_values).bounds == first.bounds
+    assert va._found_segments(same_values, 1) is not first and va._found_segments(same_values, 1).bounds == first.bounds
     same_values[0, 2] = 2  # in place: one sequence now
-    assert _MEMO.get(same_values).bounds == (0, 4)
+    assert va._found_segments(same_values, 1).bounds == (0, 4)
 
 
 def test_varlen_attention_equals_causal_sdpa_per_sequence_with_gqa():
@@ -95,7 +96,8 @@ def test_varlen_attention_equals_causal_sdpa_per_sequence_with_gqa():
     lengths = [5, 1, 7]
     q, k, v = torch.randn(13, 4, 8), torch.randn(13, 2, 8), torch.randn(13, 2, 8)
     pos = torch.cat([torch.arange(n) for n in lengths])[None]
-    out = varlen_attention(q, k, v, segments(pos), 8 ** -0.5)
+    seg = segments(pos)
+    out = varlen_attention(q, k, v, seg.cu, seg.max_len, 8 ** -0.5)
     start = 0
     for n in lengths:
         sl = slice(start, start + n)
@@ -125,3 +127,75 @@ def test_packed_row_with_treadle_varlen_equals_each_sequence_alone():
         torch.testing.assert_close(packed[start:start + len(s)], ref, atol=1e-5, rtol=1e-4)
         torch.testing.assert_close(padded[k, : len(s)], ref, atol=1e-5, rtol=1e-4)
         start += len(s)
+
+
+def _sample_batch(lengths: tuple[int, ...]) -> list:
+    from treadle.trainer.data.samples import Sample, TokenSeq
+
+    g = torch.Generator().manual_seed(3)
+    return [Sample(seqs=(TokenSeq.of(torch.randint(3, 97, (n,), generator=g).tolist(), [True] * n),), index=i)
+            for i, n in enumerate(lengths)]
+
+
+def test_packed_batches_name_their_sequences_the_way_flash_attention_kwargs_do():
+    from treadle.trainer.data.batching import pack_batch, pad_batch
+
+    packed = pack_batch(_sample_batch((6, 3, 8))).to("cpu")
+    assert packed.cu_seqlens.dtype == torch.int32 and packed.cu_seqlens.tolist() == [0, 6, 9, 17]
+    assert packed.max_seqlen == 8
+    inputs = packed.model_inputs()
+    assert inputs["cu_seq_lens_q"] is inputs["cu_seq_lens_k"] is packed.cu_seqlens
+    assert inputs["max_length_q"] == inputs["max_length_k"] == 8
+    padded = pad_batch(_sample_batch((6, 3)), pad_id=0)
+    assert padded.cu_seqlens is None and set(padded.model_inputs()) == {"input_ids", "position_ids", "attention_mask"}
+
+
+def test_varlen_attention_takes_the_named_sequences_without_reading_the_positions(monkeypatch):
+    from treadle.trainer.data.batching import pack_batch
+
+    model = _tiny(register())
+    batch = pack_batch(_sample_batch((6, 3, 8)))
+    with torch.no_grad():
+        found = model(input_ids=batch.input_ids, position_ids=batch.position_ids).logits
+
+        def no_host_read(*_):
+            raise AssertionError("the sequences were found from position_ids although the batch named them")
+
+        monkeypatch.setattr(va, "_found_segments", no_host_read)
+        named = model(**batch.model_inputs()).logits
+    torch.testing.assert_close(named, found)
+
+
+def _masked_attention(q, k, v, cu, max_len, scale):
+    """Stand-in for the CUDA-only flash kernels: the same causal attention within each sequence of
+    ``cu``, as one dense masked SDPA, and traceable (no host reads)."""
+    idx = torch.arange(q.shape[0], device=q.device)
+    seq = torch.searchsorted(cu[1:].long(), idx, right=True)
+    mask = (seq[:, None] == seq[None, :]) & (idx[:, None] >= idx[None, :])
+    k, v = (x.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for x in (k, v))
+    out = torch.nn.functional.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                                           attn_mask=mask, scale=scale)
+    return out.transpose(0, 1)
+
+
+def test_compiled_layers_keep_varlen_attention_in_their_graph_when_the_sequences_are_named(monkeypatch):
+    """With the flash kwargs nothing in treadle_varlen breaks a layer's graph (fullgraph=True
+    raises on a break; before, the whole function was excluded from compilation), and the compiled
+    layers compute the eager values and gradients. The kernel is the traceable stand-in above (the
+    flash kernels need CUDA; test_gpu.py compiles FlashAttention-4's custom operators there)."""
+    from treadle.trainer.data.batching import pack_batch
+
+    monkeypatch.setitem(va._RUN, "sdpa_by_sequence", _masked_attention)
+    batch = pack_batch(_sample_batch((6, 3, 8, 5)))
+    name = register()
+    eager, compiled = _tiny(name), _tiny(name)
+    for layer in decoder_layers(compiled):
+        layer.forward = torch.compile(layer.forward, fullgraph=True, backend="aot_eager")
+    results = []
+    for model in (eager, compiled):
+        logits = model(**batch.model_inputs()).logits
+        logits.square().mean().backward()
+        results.append((logits.detach(), [p.grad for p in model.parameters()]))
+    torch.testing.assert_close(results[1][0], results[0][0])
+    for got, want in zip(results[1][1], results[0][1], strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)

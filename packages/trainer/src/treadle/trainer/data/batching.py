@@ -48,6 +48,10 @@ class SeqBatch:
     """S = N x sequences per sample."""
     sample_index: tuple[int, ...]
     """Dataset index of each of the N samples."""
+    cu_seqlens: Tensor | None = None
+    """[S + 1] int32 flat offsets of the sequences (packed); None (padded)."""
+    max_seqlen: int = 0
+    """Longest sequence (packed); 0 (padded)."""
 
     @property
     def packed(self) -> bool:
@@ -61,11 +65,20 @@ class SeqBatch:
         return SeqBatch(input_ids=mv(self.input_ids), position_ids=mv(self.position_ids),
                         attention_mask=mv(self.attention_mask), target_mask=mv(self.target_mask),
                         seq_index=mv(self.seq_index), last_index=mv(self.last_index),
-                        sample_weight=mv(self.sample_weight), num_seqs=self.num_seqs, sample_index=self.sample_index)
+                        sample_weight=mv(self.sample_weight), num_seqs=self.num_seqs, sample_index=self.sample_index,
+                        cu_seqlens=mv(self.cu_seqlens), max_seqlen=self.max_seqlen)
 
-    def model_inputs(self) -> dict[str, Tensor | None]:
-        """Keyword arguments of a transformers model's forward."""
-        return {"input_ids": self.input_ids, "position_ids": self.position_ids, "attention_mask": self.attention_mask}
+    def model_inputs(self) -> dict[str, Tensor | int | None]:
+        """Keyword arguments of a transformers model's forward; a packed row also names its
+        sequences the way transformers' flash-attention kwargs do (``cu_seq_lens_q`` ...), which
+        the varlen kernels take as they are instead of finding them from the positions (on the
+        host, once per forward: a graph break inside compiled layers)."""
+        inputs: dict[str, Tensor | int | None] = {"input_ids": self.input_ids, "position_ids": self.position_ids,
+                                                  "attention_mask": self.attention_mask}
+        if self.cu_seqlens is not None:
+            inputs.update(cu_seq_lens_q=self.cu_seqlens, cu_seq_lens_k=self.cu_seqlens,
+                          max_length_q=self.max_seqlen, max_length_k=self.max_seqlen)
+        return inputs
 
 
 def _flatten(samples: Sequence[Sample]) -> list[TokenSeq]:
@@ -110,7 +123,9 @@ def pack_batch(samples: Sequence[Sample], *, fillers: int = 0) -> SeqBatch:
         input_ids=torch.from_numpy(ids), position_ids=torch.from_numpy(positions), attention_mask=None,
         target_mask=torch.from_numpy(target), seq_index=torch.from_numpy(index),
         last_index=torch.from_numpy(np.cumsum(lengths) - 1), sample_weight=_weights(samples, fillers),
-        num_seqs=len(seqs), sample_index=tuple(s.index for s in samples))
+        num_seqs=len(seqs), sample_index=tuple(s.index for s in samples),
+        cu_seqlens=torch.from_numpy(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)),
+        max_seqlen=int(lengths.max()))
 
 
 def by_count(samples: Sequence[Sample], size: int) -> list[list[Sample]]:
