@@ -26,7 +26,9 @@ Variants (``VARIANTS``): ``baseline`` is what treadle emitted before the tuning 
 ZeRO-3 bucket defaults, no overlap, transformers' SDPA attention on packed rows, no compile);
 ``tuned`` is overlap_comm + the new bucket defaults + ``treadle_varlen`` attention (its fastest
 kernel: FlashAttention-4 where flash-attn-4 is installed) + ``--ds.compile_layers``; the others
-take one piece away to show what each is worth (``tuned_fa2``: PyTorch's varlen FA2 instead).
+take one piece away to show what each is worth (``tuned_fa2``: PyTorch's varlen FA2 instead);
+``defaults`` sets nothing but ZeRO-3 and packing (overlap_comm and compiled layers are treadle's
+defaults on CUDA now, the attention is chosen by ``models.loading``).
 
 ``--sweep size:variant,...`` runs variants one after another, each its own ``torchrun`` (a
 ZeRO-3 engine does not give its memory back inside a process), within ``--deadline-s``;
@@ -48,6 +50,7 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -62,12 +65,14 @@ SHAPES: dict[str, dict[str, Any]] = {
 }
 _DS_DEFAULTS = dict(zero3_prefetch_bucket_size=50_000_000, zero3_param_persistence_threshold=100_000)
 VARIANTS: dict[str, dict[str, Any]] = {
-    "baseline": dict(ds=dict(overlap_comm=False, **_DS_DEFAULTS), attn="sdpa"),
+    "baseline": dict(ds=dict(overlap_comm=False, compile_layers=False, **_DS_DEFAULTS), attn="sdpa"),
+    # treadle's defaults as they are (nothing set but ZeRO-3 and packing): should equal tuned
+    "defaults": dict(ds=dict(), attn=None),
     "tuned": dict(ds=dict(overlap_comm=True, compile_layers=True), attn="treadle_varlen"),
     # tuned, with PyTorch's varlen FlashAttention-2 even where flash-attn-4 is installed
     "tuned_fa2": dict(ds=dict(overlap_comm=True, compile_layers=True, varlen_kernel="flash_varlen"), attn="treadle_varlen"),
-    "tuned_eager": dict(ds=dict(overlap_comm=True), attn="treadle_varlen"),
-    "tuned_sdpa": dict(ds=dict(overlap_comm=True), attn="sdpa"),
+    "tuned_eager": dict(ds=dict(overlap_comm=True, compile_layers=False), attn="treadle_varlen"),
+    "tuned_sdpa": dict(ds=dict(overlap_comm=True, compile_layers=False), attn="sdpa"),
     "ds_tuned_only": dict(ds=dict(overlap_comm=True, compile_layers=True), attn="sdpa"),
     "tuned_flex": dict(ds=dict(overlap_comm=True, compile_layers=True), attn="flex_attention"),
     # tuned, and every parameter gathered by the forward kept for the backward (no second gather)
@@ -182,7 +187,7 @@ def _build(args: argparse.Namespace, dist: Any) -> tuple[Any, int, Any]:
     from treadle.trainer.config.optim import OptimizerConfig  # noqa: PLC0415
     from treadle.trainer.models.loading import load_causal_lm  # noqa: PLC0415
     from treadle.trainer.ops.varlen_attention import register  # noqa: PLC0415
-    from treadle.trainer.strategy.deepspeed import build_engine  # noqa: PLC0415
+    from treadle.trainer.strategy.deepspeed import build_engine, compiles_layers  # noqa: PLC0415
 
     spec = VARIANTS[args.variant]
     dtype = "fp32" if args.cpu else "bf16"
@@ -193,9 +198,13 @@ def _build(args: argparse.Namespace, dist: Any) -> tuple[Any, int, Any]:
     path = _model_dir(Path(args.model_root), args.size, torch.float32 if args.cpu else torch.bfloat16, dist.device)
     model = load_causal_lm(str(path), ds, trainable=True, gradient_checkpointing=args.checkpointing)
     params = sum(p.numel() for p in model.parameters())
+    # what the defaults resolve to, for the record
+    resolved = replace(ds, attn_implementation=model.config._attn_implementation,
+                       compile_layers=compiles_layers(ds, dist.device.type, model),
+                       overlap_comm=ds.zero_stage == 3 if ds.overlap_comm is None else ds.overlap_comm)
     engine = build_engine(model, ds, OptimizerConfig(), micro_batch=args.micro_batch, grad_accum=1,
                           world=dist.world, total_steps=10_000)
-    return engine, params, ds
+    return engine, params, resolved
 
 
 def _measure(args: argparse.Namespace, name: str, step: Any, sync: Any) -> dict[str, float]:

@@ -7,11 +7,16 @@ import pytest
 import torch
 
 from treadle.common.config import ConfigError
-from treadle.trainer.config.deepspeed import DeepSpeedConfig
+from treadle.trainer.config.deepspeed import DeepSpeedConfig, LoraConfig
 from treadle.trainer.config.optim import OptimizerConfig
 from treadle.trainer.ops import varlen_attention as va
 from treadle.trainer.ops.varlen_attention import register, segments, varlen_attention
-from treadle.trainer.strategy.deepspeed import compile_layers, decoder_layers, ds_config
+from treadle.trainer.strategy.deepspeed import (
+    compile_layers,
+    compiles_layers,
+    decoder_layers,
+    ds_config,
+)
 
 
 def _tiny(attn: str, layers: int = 2) -> torch.nn.Module:
@@ -39,6 +44,49 @@ def test_zero3_knobs_default_to_the_tuned_values_and_stay_out_of_lower_stages():
     lower = ds_config(DeepSpeedConfig(zero_stage=2), None, micro_batch=1, grad_accum=1, world=1)["zero_optimization"]
     assert not {"stage3_prefetch_bucket_size", "stage3_param_persistence_threshold", "stage3_max_live_parameters",
                 "reduce_bucket_size"} & lower.keys()
+    # overlap_comm unset: DeepSpeed's own rule (ZeRO-3 on, the lower stages off); set: as set
+    assert zero["overlap_comm"] is True and lower["overlap_comm"] is False
+    for stage, value in ((3, False), (2, True)):
+        zero = ds_config(DeepSpeedConfig(zero_stage=stage, overlap_comm=value), None, micro_batch=1, grad_accum=1,
+                         world=1)["zero_optimization"]
+        assert zero["overlap_comm"] is value
+
+
+def test_layers_compile_by_default_for_zero3_on_cuda_only_and_not_with_untried_features():
+    model = _tiny("sdpa")
+    z3 = DeepSpeedConfig(zero_stage=3)
+    assert compiles_layers(z3, "cuda", model) and not compiles_layers(z3, "cpu", model)
+    assert not compiles_layers(DeepSpeedConfig(zero_stage=2), "cuda", model)
+    for untried in (dict(lora=LoraConfig(rank=8)), dict(ring_attn_size=2, packing_samples=True),
+                    dict(tensor_parallel_size=2), dict(param_offload=True)):
+        assert not compiles_layers(DeepSpeedConfig(zero_stage=3, **untried), "cuda", model), untried
+    assert not compiles_layers(z3, "cuda", torch.nn.Sequential(torch.nn.Linear(2, 2)))  # no layer classes
+    assert compiles_layers(DeepSpeedConfig(zero_stage=2, compile_layers=True), "cpu", model)  # asked for
+    assert not compiles_layers(DeepSpeedConfig(zero_stage=3, compile_layers=False), "cuda", model)
+
+
+def test_layers_whose_compile_fails_run_eagerly_after_one_warning(monkeypatch, caplog):
+    """A backend that cannot compile (no Triton, an unsupported model) leaves every layer eager
+    with one warning naming the flag, and the same logits."""
+    import functools
+
+    calls = []
+
+    def broken(gm, example_inputs):
+        calls.append(1)
+        raise RuntimeError("no compiler here")
+
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend=broken))
+    model = _tiny("sdpa", layers=3)
+    ids = torch.randint(0, 97, (2, 9))
+    expected = model(input_ids=ids).logits
+    compile_layers(model, DeepSpeedConfig(zero_stage=2))
+    with caplog.at_level("WARNING", logger="treadle.trainer.strategy.deepspeed"):
+        torch.testing.assert_close(model(input_ids=ids).logits, expected)
+        torch.testing.assert_close(model(input_ids=ids).logits, expected)
+    assert len(calls) == 1  # the first layer's failure stops the others' attempts
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 1 and "--ds.compile_layers False" in warnings[0] and "no compiler here" in warnings[0]
 
 
 def test_config_rejects_negative_buckets_and_two_compilers():

@@ -59,8 +59,8 @@ class DeepSpeedConfig:
     """Use Liger fused kernels."""
     grad_accum_dtype: Literal["fp32", "bf16", "fp16"] | None = None
     """Dtype of gradient accumulation buffers; None: DeepSpeed's default."""
-    overlap_comm: bool = False
-    """Overlap gradient reduction with the backward pass."""
+    overlap_comm: bool | None = None
+    """Overlap gradient reduction with the backward pass; None: DeepSpeed's own choice, on under ZeRO-3 (where it measured fastest on 2xH200) and off for stages 1-2 (where it holds 4.5x the reduce bucket in memory)."""
     zero3_prefetch_bucket_size: int = 500_000_000
     """ZeRO-3: parameter elements gathered ahead of use (DeepSpeed's own default, 5e7, left 2xH200 step time to the gathers)."""
     zero3_param_persistence_threshold: int = 1_000_000
@@ -71,8 +71,8 @@ class DeepSpeedConfig:
     """ZeRO-3: a gathered parameter used again within this many parameter elements is kept, not
     released and gathered again (DeepSpeed's default); above the model's size, the forward's
     gathers serve the backward too."""
-    compile_layers: bool = False
-    """torch.compile each decoder layer's forward (ZeRO-3 gathers each layer whole: DeepSpeed leaf modules)."""
+    compile_layers: bool | None = None
+    """torch.compile each decoder layer's forward (ZeRO-3 gathers each layer whole: DeepSpeed leaf modules; eager again for all layers if compiling fails); None: on for ZeRO-3 training on CUDA (the 1.35B step 37% faster on 2xH200), off on CPU and with LoRA, ring attention, AutoTP, 4-bit weights, parameter offload or deepcompile (untested together)."""
     deepcompile: bool = False
     """Compile the model with DeepSpeed's deepcompile (CUDA and ZeRO stage 1-3 only)."""
     enable_sleep: bool = False

@@ -12,10 +12,11 @@ engine without optimizer.
 
 ZeRO-3's communication knobs default to what measured fastest on 2xH200 (docs/benchmarks.md,
 "GPU trainer throughput"): larger prefetch buckets and a higher persistence threshold than
-DeepSpeed's own defaults. ``--ds.compile_layers`` marks each decoder layer a ZeRO-3 *leaf
-module* (its parameters are gathered in one piece and no hooks run inside it) and compiles the
-layer's ``forward`` with ``torch.compile``; without the leaf marking dynamo would trace into
-ZeRO-3's per-submodule hooks, which it cannot.
+DeepSpeed's own defaults. Compiled layers (``--ds.compile_layers``, on by default for ZeRO-3 on
+CUDA: ``compiles_layers``) mark each decoder layer a ZeRO-3 *leaf module* (its parameters are
+gathered in one piece and no hooks run inside it) and compile the layer's ``forward`` with
+``torch.compile``; without the leaf marking dynamo would trace into ZeRO-3's per-submodule
+hooks, which it cannot. ``overlap_comm`` unset is DeepSpeed's own default (on for ZeRO-3).
 
 Under ring attention (``ring.group``) the engine still spans every rank: ring peers hold
 partial gradients of the same parameters, and DeepSpeed's all-rank reduction sums them; only
@@ -30,10 +31,11 @@ Not here: model math (``models``), the training loop (``trainers``), checkpoints
 
 from __future__ import annotations
 
+import logging
 import math
 import socket
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -42,6 +44,7 @@ from treadle.common.config import ConfigError
 from treadle.trainer.config.deepspeed import DeepSpeedConfig
 from treadle.trainer.config.optim import OptimizerConfig
 
+log = logging.getLogger(__name__)
 _NEVER = 1 << 62  # steps_per_print: DeepSpeed's own progress lines would duplicate ours
 # DeepSpeed's own defaults, written out so the dict names every knob of ZeRO-3's communication.
 _REDUCE_BUCKET = 500_000_000
@@ -115,7 +118,8 @@ def all_reduce(values: Sequence[float], device: torch.device, op: str = "sum", g
 def _zero_section(ds: DeepSpeedConfig) -> dict[str, Any]:
     pin = torch.cuda.is_available()  # pinned host memory only means something next to a GPU
     zero: dict[str, Any] = {
-        "stage": ds.zero_stage, "overlap_comm": ds.overlap_comm, "contiguous_gradients": True,
+        "stage": ds.zero_stage, "overlap_comm": ds.zero_stage == 3 if ds.overlap_comm is None else ds.overlap_comm,
+        "contiguous_gradients": True,
         "stage3_gather_16bit_weights_on_model_save": True,
     }
     if ds.adam_offload:
@@ -205,13 +209,42 @@ def grad_accum_steps(batch_size: int, micro_batch: int, world: int) -> int:
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The decoder layers of a transformers model: modules of the classes it names in ``_no_split_modules``."""
+    """The decoder layers of a transformers model: modules of the classes it names in
+    ``_no_split_modules`` (none for other models)."""
     names = next((set(m._no_split_modules) for m in model.modules() if getattr(m, "_no_split_modules", None)), set())
-    layers = [m for m in model.modules() if type(m).__name__ in names]
-    if not layers:
-        raise ConfigError(f"--ds.compile_layers: {type(model).__name__} names no decoder-layer class "
-                          "(_no_split_modules); leave the flag off for this model")
-    return layers
+    return [m for m in model.modules() if type(m).__name__ in names]
+
+
+def compiles_layers(ds: DeepSpeedConfig, accelerator: str, model: torch.nn.Module) -> bool:
+    """Whether ``build_engine`` compiles ``model``'s decoder layers: ``--ds.compile_layers`` where
+    given; unset, for ZeRO-3 on CUDA (measured there: docs/benchmarks.md, "GPU trainer
+    throughput") unless LoRA, ring attention, AutoTP, 4-bit weights, parameter offload or
+    deepcompile is on (never tried together), and only for models with decoder-layer classes."""
+    if ds.compile_layers is not None:
+        return ds.compile_layers
+    untried = (ds.lora.rank > 0 or ds.ring_attn_size > 1 or ds.tensor_parallel_size > 1 or ds.load_in_4bit
+               or ds.param_offload or ds.deepcompile)
+    return accelerator == "cuda" and ds.zero_stage == 3 and not untried and bool(decoder_layers(model))
+
+
+class _LayerForward:
+    """A decoder layer's compiled ``forward``; from the first failure to compile on (in any layer
+    of the model: ``failed`` is shared) the eager ``forward``, after one warning."""
+
+    __slots__ = ("compiled", "eager", "failed")
+
+    def __init__(self, eager: Any, failed: list[bool]) -> None:
+        self.eager, self.compiled, self.failed = eager, torch.compile(eager), failed
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not self.failed[0]:
+            try:
+                return self.compiled(*args, **kwargs)
+            except torch._dynamo.exc.TorchDynamoException as e:  # compiling failed; nothing ran
+                log.warning("decoder layers run eagerly: torch.compile failed (%s: %s); "
+                            "--ds.compile_layers False skips the attempt", type(e).__name__, str(e)[:500])
+                self.failed[0] = True
+        return self.eager(*args, **kwargs)
 
 
 def compile_layers(model: torch.nn.Module, ds: DeepSpeedConfig) -> int:
@@ -225,6 +258,9 @@ def compile_layers(model: torch.nn.Module, ds: DeepSpeedConfig) -> int:
     room for other shapes) so that no layer silently falls back to running uncompiled.
     """
     layers = decoder_layers(model)
+    if not layers:
+        raise ConfigError(f"--ds.compile_layers: {type(model).__name__} names no decoder-layer class "
+                          "(_no_split_modules); leave the flag off for this model")
     import torch._dynamo.config as dynamo_config  # noqa: PLC0415
 
     dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 2 * len(layers) + 8)
@@ -232,8 +268,9 @@ def compile_layers(model: torch.nn.Module, ds: DeepSpeedConfig) -> int:
         from deepspeed.utils import set_z3_leaf_modules  # noqa: PLC0415
 
         set_z3_leaf_modules(model, sorted({type(m) for m in layers}, key=lambda c: c.__name__))
+    failed = [False]
     for layer in layers:
-        layer.forward = torch.compile(layer.forward)
+        layer.forward = _LayerForward(layer.forward, failed)
     return len(layers)
 
 
@@ -246,6 +283,7 @@ def build_engine(model: torch.nn.Module, ds: DeepSpeedConfig, optim: OptimizerCo
 
     check_deepcompile(ds, get_accelerator().device_name())
     check_autotp(ds, model)
+    ds = replace(ds, compile_layers=compiles_layers(ds, get_accelerator().device_name(), model))
     if ds.compile_layers:
         compile_layers(model, ds)
     optimizer = build_optimizer(model, optim, offload=ds.adam_offload)
