@@ -107,23 +107,22 @@ def _varlen_kernel() -> tuple[Any, frozenset[str]] | None:
 
 
 @functools.cache
-def _fa4_kernel() -> Any | None:
-    """flash-attn-4's ``flash_attn_varlen_func``, or None where it is not installed (or its CUDA
-    libraries do not load)."""
+def _fa4_kernel() -> tuple[Any, Any] | None:
+    """flash-attn-4's varlen-capable forward and backward (``flash_attn.cute.interface``'s
+    ``_flash_attn_fwd`` / ``_flash_attn_bwd``, which its own autograd function calls), or None
+    where it is not installed (or its CUDA libraries do not load, or a release renamed them)."""
     try:
-        from flash_attn.cute import flash_attn_varlen_func  # noqa: PLC0415
+        from flash_attn.cute.interface import _flash_attn_bwd, _flash_attn_fwd  # noqa: PLC0415
     except Exception:  # noqa: BLE001 - ImportError, or a failing native library: use another kernel
         return None
-    return flash_attn_varlen_func
+    return _flash_attn_fwd, _flash_attn_bwd
 
 
 @torch.library.custom_op("treadle::fa4_varlen_fwd", mutates_args=())
 def _fa4_fwd(q: Tensor, k: Tensor, v: Tensor, cu: Tensor, max_len: int, scale: float) -> tuple[Tensor, Tensor]:
     """FlashAttention-4's causal varlen forward on contiguous q ``[N, H, d]``, k / v ``[N, Hk, d]``
     -> (out ``[N, H, d]``, log-sum-exp ``[H, N]`` fp32)."""
-    from flash_attn.cute.interface import _flash_attn_fwd  # noqa: PLC0415
-
-    out, lse, *_ = _flash_attn_fwd(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max_len,
+    out, lse, *_ = _fa4_kernel()[0](q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max_len,
                                    max_seqlen_k=max_len, softmax_scale=scale, causal=True, return_lse=True)
     return out, lse
 
@@ -137,9 +136,7 @@ def _(q: Tensor, k: Tensor, v: Tensor, cu: Tensor, max_len: int, scale: float) -
 def _fa4_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, cu: Tensor, max_len: int,
              scale: float) -> tuple[Tensor, Tensor, Tensor]:
     """FlashAttention-4's varlen backward of ``_fa4_fwd`` -> (dq, dk, dv), contiguous like q, k, v."""
-    from flash_attn.cute.interface import _flash_attn_bwd  # noqa: PLC0415
-
-    dq, dk, dv = _flash_attn_bwd(q, k, v, out, dout, lse, scale, True, cu_seqlens_q=cu, cu_seqlens_k=cu,
+    dq, dk, dv = _fa4_kernel()[1](q, k, v, out, dout, lse, scale, True, cu_seqlens_q=cu, cu_seqlens_k=cu,
                                  max_seqlen_q=max_len, max_seqlen_k=max_len)
     return dq, dk, dv
 
