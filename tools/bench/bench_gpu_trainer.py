@@ -15,8 +15,11 @@ and a ``DeepSpeedConfig``; then
   strictly on-policy), packed, PPO clip loss, token mean, entropy computed (as the trainer does).
 
 Each is ``--warmup`` untimed steps (compilation happens there), then ``--steps`` timed steps
-(CUDA synchronised around each; median reported), then for SFT one more step with a
-synchronisation after the forward and after the backward, to split the step's time.
+(CUDA synchronised around each; medians reported), then for SFT one more step with a
+synchronisation after the forward and after the backward, to split the step's time. The row is
+the same every step, unless ``--varied``: then every step packs a new mix of sequence lengths
+(around ``--seq``) into a row of 92-100% of ``--micro-batch x --seq`` tokens, as real batches
+do; compiled layers then see changing shapes (dynamo turns them dynamic after the first change).
 
 MFU = 6 * N * (tokens/s per GPU) / 989e12 (dense bf16 peak of one H200/H100 SXM), N = every
 parameter (embeddings and LM head included), attention score FLOPs left out; ``mfu_attn`` adds
@@ -103,27 +106,41 @@ def _model_dir(root: Path, size: str, dtype: Any, device: Any) -> Path:
     return path
 
 
-def _sft_batch(rng: Any, mb: int, seq: int, vocab: int) -> Any:
+def _lengths(rng: Any, mb: int, seq: int, varied: bool) -> list[int]:
+    """Sequence lengths of one packed row: ``mb`` x ``seq``, or (``varied``, as real batches are)
+    a new mix every row: lengths drawn around ``seq`` (1/8 to 15/8 of it) up to 92-100% of
+    ``mb * seq`` tokens, so both the row's length and its sequences change from step to step."""
+    if not varied:
+        return [seq] * mb
+    total, lengths = int(mb * seq * rng.uniform(0.92, 1.0)), []
+    while total - sum(lengths) >= 16:
+        lengths.append(min(int(rng.integers(seq // 8, 2 * seq - seq // 8)), total - sum(lengths)))
+    return lengths
+
+
+def _sft_batch(rng: Any, lengths: list[int], vocab: int) -> Any:
     import numpy as np  # noqa: PLC0415
 
     from treadle.trainer.data.batching import pack_batch  # noqa: PLC0415
     from treadle.trainer.data.samples import Sample, TokenSeq  # noqa: PLC0415
 
-    target = np.ones(seq, dtype=bool)
-    target[0] = False
-    samples = [Sample(seqs=(TokenSeq(ids=rng.integers(0, vocab, seq), target=target),), index=k) for k in range(mb)]
+    samples = []
+    for k, n in enumerate(lengths):
+        target = np.ones(n, dtype=bool)
+        target[0] = False
+        samples.append(Sample(seqs=(TokenSeq(ids=rng.integers(0, vocab, n), target=target),), index=k))
     return pack_batch(samples)
 
 
-def _experiences(rng: Any, mb: int, seq: int, vocab: int) -> list[Any]:
+def _experiences(rng: Any, lengths: list[int], vocab: int) -> list[Any]:
     import numpy as np  # noqa: PLC0415
 
     from treadle.common.records import Trajectory  # noqa: PLC0415
     from treadle.trainer.rl.experience import from_trajectory  # noqa: PLC0415
 
-    prompt, response = seq // 4, seq - seq // 4
     exps = []
-    for _ in range(mb):
+    for n in lengths:
+        prompt, response = n // 4, n - n // 4
         traj = Trajectory(prompt_token_ids=rng.integers(0, vocab, prompt).astype(np.int32),
                           response_token_ids=rng.integers(0, vocab, response).astype(np.int32),
                           rollout_logprobs=-rng.random(response, dtype=np.float32),
@@ -207,12 +224,23 @@ def _build(args: argparse.Namespace, dist: Any) -> tuple[Any, int, Any]:
     return engine, params, resolved
 
 
-def _measure(args: argparse.Namespace, name: str, step: Any, sync: Any) -> dict[str, float]:
-    for _ in range(args.warmup):
-        step()
-    times = [_timed(step, sync) for _ in range(args.steps)]
-    t = statistics.median(times)
-    return {f"{name}_step_s": t, f"{name}_step_s_all": times}
+def _measure(args: argparse.Namespace, name: str, step: Any, rows: list[list[int]], sync: Any,
+             params: int) -> dict[str, Any]:
+    """``step(i)`` runs step i on the row of sequence lengths ``rows[i]`` (``--warmup`` untimed
+    steps first): the median step time, and the medians of tokens/s and MFU over the timed steps
+    (attention FLOPs: 6 x layers x hidden x the sum of squared sequence lengths)."""
+    shape = SHAPES[args.size]
+    for i in range(args.warmup):
+        step(i)
+    times = [_timed(lambda i=i: step(i), sync) for i in range(args.warmup, args.warmup + args.steps)]
+    timed = rows[args.warmup:]
+    tokens = [sum(r) for r in timed]
+    attn = [6 * shape["num_hidden_layers"] * shape["hidden_size"] * sum(n * n for n in r) for r in timed]
+    return {f"{name}_step_s": statistics.median(times), f"{name}_step_s_all": times,
+            f"{name}_tokens_per_s_gpu": statistics.median(n / t for n, t in zip(tokens, times, strict=True)),
+            f"{name}_mfu": statistics.median(6 * params * n / t / PEAK_FLOPS for n, t in zip(tokens, times, strict=True)),
+            f"{name}_mfu_attn": statistics.median((6 * params * n + a) / t / PEAK_FLOPS
+                                                  for n, a, t in zip(tokens, attn, times, strict=True))}
 
 
 def run_variant(args: argparse.Namespace) -> None:
@@ -232,29 +260,28 @@ def run_variant(args: argparse.Namespace) -> None:
         rng = np.random.default_rng(1000 + dist.rank)
         out: dict[str, Any] = {"size": args.size, "variant": args.variant, "params": params, "world": dist.world,
                                "micro_batch": mb, "seq": seq, "tokens_per_gpu_step": mb * seq,
+                               "varied": args.varied,
                                "attn": ds.attn_implementation, "overlap_comm": ds.overlap_comm,
                                "compile_layers": ds.compile_layers,
                                "prefetch_bucket": ds.zero3_prefetch_bucket_size,
                                "persistence_threshold": ds.zero3_param_persistence_threshold,
                                "checkpointing": args.checkpointing, "build_s": time.perf_counter() - t_start}
-        batch = _sft_batch(rng, mb, seq, shape["vocab_size"])
-        out.update(_measure(args, "sft", lambda: _sft_step(engine, batch, dist.world, dist.device), sync))
+        # one row per step; the same row every step unless --varied
+        rows = [_lengths(rng, mb, seq, args.varied) for _ in range(args.warmup + args.steps)]
+        batches = [_sft_batch(rng, r, shape["vocab_size"]) for r in (rows if args.varied else rows[:1])]
+        out.update(_measure(args, "sft", lambda i: _sft_step(engine, batches[i % len(batches)], dist.world,
+                                                             dist.device), rows, sync, params))
+        batch = batches[-1]
         out.update(_sft_step(engine, batch, dist.world, dist.device, sync=sync))
-        exps = _experiences(rng, mb, seq, shape["vocab_size"])
-        out.update(_measure(args, "ppo", lambda: _ppo_step(engine, exps, dist.world, dist.device, mb), sync))
+        exps = [_experiences(rng, r, shape["vocab_size"]) for r in (rows if args.varied else rows[:1])]
+        out.update(_measure(args, "ppo", lambda i: _ppo_step(engine, exps[i % len(exps)], dist.world, dist.device,
+                                                             len(exps[i % len(exps)])), rows, sync, params))
         if ds.attn_implementation == "treadle_varlen":
             from treadle.trainer.ops.varlen_attention import kernel_name  # noqa: PLC0415
 
             head_dim = shape["hidden_size"] // shape["num_attention_heads"]
             out["attn_kernel"] = kernel_name(torch.empty(1, 1, head_dim, dtype=torch.bfloat16 if cuda else torch.float32,
                                                          device=dist.device))
-        flops_tok = 6 * params
-        attn_tok = 6 * shape["num_hidden_layers"] * shape["hidden_size"] * seq
-        for name in ("sft", "ppo"):
-            tps = mb * seq / out[f"{name}_step_s"]
-            out[f"{name}_tokens_per_s_gpu"] = tps
-            out[f"{name}_mfu"] = flops_tok * tps / PEAK_FLOPS
-            out[f"{name}_mfu_attn"] = (flops_tok + attn_tok) * tps / PEAK_FLOPS
         if cuda:
             out["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
         if args.profile:
@@ -324,8 +351,8 @@ def _child_cmd(args: argparse.Namespace, item: str) -> list[str]:
            __file__, "--size", size, "--variant", variant, "--micro-batch", mb,
            "--seq", str(args.seq), "--warmup", warmup, "--steps", steps,
            "--json", args.json, "--model-root", args.model_root]
-    flags = [f for f, on in (("--cpu", args.cpu), ("--checkpointing", args.checkpointing), ("--profile", args.profile))
-             if on]
+    flags = [f for f, on in (("--cpu", args.cpu), ("--checkpointing", args.checkpointing), ("--profile", args.profile),
+                             ("--varied", args.varied)) if on]
     return cmd + flags
 
 
@@ -404,6 +431,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--checkpointing", action="store_true", help="gradient checkpointing on")
+    p.add_argument("--varied", action="store_true",
+                   help="a new mix of sequence lengths every step, the row 92-100%% of micro-batch x seq tokens")
     p.add_argument("--cpu", action="store_true", help="dry run: tiny shapes work best, fp32, gloo")
     p.add_argument("--profile", action="store_true", help="profile one more SFT step: GPU kernel time by kind")
     p.add_argument("--nproc", type=int, default=2)
