@@ -39,6 +39,33 @@ export PYTHONPATH=$SRC:$SITE:$SITE/nvidia_cutlass_dsl/dsl_packages${PYTHONPATH:+
 # NVLink multicast stays off on shared hosts; tool caches stay out of the home folder.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 HF_HUB_OFFLINE=1 \
   TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-/tmp/treadle_torch_ext} TOKENIZERS_PARALLELISM=false OMP_NUM_THREADS=4
+# TREADLE_GPU_BENCH=sync|trainer runs issue 10's benchmarks instead of the tests (each fits one
+# device call), writing into TREADLE_GPU_OUT (default: the device's $OUT, else bench_out/):
+#   sync: the weight-sync bench on 2 GPUs, after 50 ms idle (as after training) and back to back;
+#   trainer: the 1.35B SFT / PPO steps on every GPU, defaults / tuned / tuned_fa2, then defaults
+#   on rows of changing lengths (--varied).
+dest=${TREADLE_GPU_OUT:-${OUT:-bench_out}}
+case "${TREADLE_GPU_BENCH:-}" in
+  sync)
+    mkdir -p "$dest"
+    for idle in 50 0; do
+      timeout 280 python3 -m torch.distributed.run --standalone --nproc_per_node 2 tools/bench/bench_gpu_weight_sync.py \
+        --repeats 7 --idle-ms $idle --json "$dest/weight_sync_idle$idle.json" > "$dest/weight_sync_idle$idle.log" 2>&1
+      echo "weight sync, idle $idle ms: rc=$?"; grep -E "^(correctness|[a-z_]+/|[a-z_]+ +[0-9]|[a-z_]+: end-to-end)" \
+        "$dest/weight_sync_idle$idle.log" | tail -30
+    done
+    exit 0 ;;
+  trainer)
+    mkdir -p "$dest"
+    gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
+    python3 tools/bench/bench_gpu_trainer.py --nproc "$gpus" --deadline-s 400 \
+      --sweep 1.35b:defaults:24,1.35b:tuned:24,1.35b:tuned_fa2:24 --json "$dest/trainer.json" --log "$dest/trainer.log"
+    python3 tools/bench/bench_gpu_trainer.py --nproc "$gpus" --deadline-s 150 --varied --steps 8 \
+      --sweep 1.35b:defaults:24 --json "$dest/trainer_varied.json" --log "$dest/trainer_varied.log"
+    exit 0 ;;
+  "") ;;
+  *) echo "TREADLE_GPU_BENCH must be sync or trainer, got ${TREADLE_GPU_BENCH}" >&2; exit 2 ;;
+esac
 exec python3 -m pytest -q -m gpu -p no:cacheprovider -p no:randomly \
   packages/trainer/tests/test_gpu.py packages/trainer/tests/test_gpu_weights.py packages/trainer/tests/test_ring.py \
   packages/rollout/tests/test_gpu.py ${TREADLE_GPU_PYTEST_ARGS:-}
