@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -87,7 +88,7 @@ class _Memo:
         self.version = -1
         self.value: Segments | None = None
 
-    def get(self, key: Tensor, make: Any) -> Segments:
+    def get(self, key: Tensor, make: Callable[[], Segments]) -> Segments:
         if self.key is not key or self.version != key._version or self.value is None:
             self.key, self.version, self.value = key, key._version, make()
         return self.value
