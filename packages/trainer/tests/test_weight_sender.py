@@ -454,6 +454,26 @@ def test_zero3_one_rank_sends_intact_weights(daemon, model_b, tmp_path, run_torc
     run_zero3(daemon, model_b, tmp_path, 1, run_torchrun)
 
 
+def test_planner_stops_watching_modules_that_are_gone():
+    """A planned model that is gone leaves nothing watched: a later module at its address (CPython
+    reuses them) registering children must not count as a change of a planned tree. Keeping the
+    ids made a slice of another model replan it now and then, in a long process."""
+    import gc
+
+    from treadle.trainer.weights import gather
+
+    gather.plan(torch.nn.Linear(1, 1))  # the first plan imports peft, which keeps that call's frame
+    gc.collect()  # earlier tests' planned models that are already garbage
+    before = len(gather._WATCHED)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.LayerNorm(4))
+    planner = gather.Planner()
+    planner(model)
+    assert len(gather._WATCHED) == before + 3
+    del model, planner
+    gc.collect()
+    assert len(gather._WATCHED) == before
+
+
 def test_planner_keeps_the_plan_until_a_tensor_it_names_changes():
     from treadle.trainer.weights.gather import Planner, plan
 

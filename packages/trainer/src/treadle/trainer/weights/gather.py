@@ -45,6 +45,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -178,7 +179,7 @@ class Planner:
         seen = _STRUCTURE[0]
         items = plan(module, dtype)
         mods = [mod for _, mod in _preorder(module)]
-        _WATCHED.update(map(id, mods))
+        _WATCHED.update(mods)
         lora = _lora_layer_class()
         if any(it.merge is not None for it in items) or lora is not None and any(isinstance(m, lora) for m in mods):
             self._items = None
@@ -196,7 +197,7 @@ class Planner:
 
 
 _STRUCTURE = [0, False]  # registrations of parameters, buffers and modules seen on watched modules; hooks installed
-_WATCHED: set[int] = set()  # ids of every module of a tree a ``Planner`` planned (a reused id: a needless replan)
+_WATCHED: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()  # every live module of a tree a ``Planner`` planned
 
 
 def _watch_structure() -> None:
@@ -209,7 +210,7 @@ def _watch_structure() -> None:
     from torch.nn.modules import module as torch_module  # noqa: PLC0415
 
     def changed(module: torch.nn.Module, *_: Any) -> None:
-        if id(module) in _WATCHED:
+        if module in _WATCHED:
             _STRUCTURE[0] += 1
 
     torch_module.register_module_parameter_registration_hook(changed)
