@@ -46,6 +46,7 @@ output to ``--log``. ``--cpu`` is the dry run: tiny shape, fp32, gloo, same code
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -160,32 +161,55 @@ def _timed(fn: Any, sync: Any) -> float:
     return time.perf_counter() - t0
 
 
-def _sft_step(engine: Any, batch: Any, world: int, device: Any, sync: Any = None) -> dict[str, float]:
+PHASE = "treadle_phase/"
+"""Prefix of the profiler ranges ``_sft_step(mark=True)`` puts around its phases."""
+
+
+def _sft_step(engine: Any, batch: Any, world: int, device: Any, sync: Any = None, mark: bool = False) -> dict[str, float]:
     """One SFT optimizer step (``trainers.base.train_step``'s inner loop, one micro-batch);
-    with ``sync``, the seconds of forward / backward / optimizer step."""
+    with ``sync``, the seconds of forward / backward / optimizer step; with ``mark``, each phase
+    is a profiler range (``PHASE`` + its name)."""
+    from torch.profiler import record_function  # noqa: PLC0415
+
     from treadle.trainer.losses.sft import nll_loss  # noqa: PLC0415
     from treadle.trainer.models.actor import Actor  # noqa: PLC0415
     from treadle.trainer.strategy.deepspeed import all_reduce  # noqa: PLC0415
 
+    def phase(name: str) -> Any:
+        return record_function(PHASE + name) if mark else contextlib.nullcontext()
+
     split: dict[str, float] = {}
     t0 = time.perf_counter()
-    batch = batch.to(device)
-    normaliser = all_reduce([float(batch.target_mask.sum())], device)[0]
-    engine.train()
-    engine.set_gradient_accumulation_boundary(True)
-    loss = nll_loss(Actor(engine)(batch, targets_only=True).logprobs, batch.target_mask, normaliser)
-    if sync:
-        sync()
-        split["forward_s"], t0 = time.perf_counter() - t0, time.perf_counter()
-    engine.backward(loss * world, scale_wrt_gas=False)
-    if sync:
-        sync()
-        split["backward_s"], t0 = time.perf_counter() - t0, time.perf_counter()
-    engine.step()
-    if sync:
-        sync()
-        split["optimizer_s"] = time.perf_counter() - t0
-    return split
+    with phase("forward"):
+        batch = batch.to(device)
+        normaliser = all_reduce([float(batch.target_mask.sum())], device)[0]
+        engine.train()
+        engine.set_gradient_accumulation_boundary(True)
+        loss = nll_loss(Actor(engine)(batch, targets_only=True).logprobs, batch.target_mask, normaliser)
+        if sync:
+            sync()
+    split["forward_s"], t0 = time.perf_counter() - t0, time.perf_counter()
+    with phase("backward"):
+        engine.backward(loss * world, scale_wrt_gas=False)
+        if sync:
+            sync()
+    split["backward_s"], t0 = time.perf_counter() - t0, time.perf_counter()
+    with phase("optimizer"):
+        engine.step()
+        if sync:
+            sync()
+    split["optimizer_s"] = time.perf_counter() - t0
+    return split if sync else {}
+
+
+def covered(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of ``(start, end)`` intervals: the time some kernel ran."""
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
 
 
 def _ppo_step(engine: Any, exps: list[Any], world: int, device: Any, mb: int) -> None:
@@ -285,7 +309,8 @@ def run_variant(args: argparse.Namespace) -> None:
         if cuda:
             out["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
         if args.profile:
-            out["profile"] = _profile(lambda: _sft_step(engine, batch, dist.world, dist.device), sync)
+            out["profile"] = _profile(lambda: _sft_step(engine, batch, dist.world, dist.device, sync=sync, mark=True),
+                                      sync)
         out["unique_graphs"] = _compiled_graphs()
         out["total_s"] = time.perf_counter() - t_start
         if dist.is_main:
@@ -302,10 +327,17 @@ KERNEL_KINDS = (("nccl", ("nccl",)), ("attention", ("flash", "fmha", "attention"
 """Kernel-name substrings -> the kind a profile sums them under (first match; else "elementwise/other")."""
 
 
+def _kind(kernel: str) -> str:
+    name = kernel.lower()
+    return next((k for k, subs in KERNEL_KINDS if any(x in name for x in subs)), "elementwise/other")
+
+
 def _profile(step: Any, sync: Any) -> dict[str, Any]:
-    """One more SFT step under torch.profiler: GPU kernel seconds by kind (``KERNEL_KINDS``; NCCL
-    kernels run on their own stream, overlapping the others), the step's wall time, the 12
-    costliest kernels and the 20 operators whose kernels took the most GPU time."""
+    """One more SFT step (``step()``, its phases marked: ``_sft_step(mark=True)``) under
+    torch.profiler: GPU kernel seconds by kind (``KERNEL_KINDS``; NCCL kernels run on their own
+    stream, overlapping the others), the step's wall time; per phase its wall time, the time the
+    GPU ran some kernel (``covered``) and kernel seconds by kind; the 12 costliest kernels and
+    the 20 operators whose kernels took the most GPU time."""
     from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
 
     sync()
@@ -315,17 +347,30 @@ def _profile(step: Any, sync: Any) -> dict[str, Any]:
         sync()
         wall = time.perf_counter() - t0
     kinds: dict[str, float] = {}
-    kernels = [e for e in prof.key_averages() if e.device_type.name == "CUDA" and e.self_device_time_total > 0]
+    kernels = [e for e in prof.key_averages() if e.device_type.name == "CUDA" and e.self_device_time_total > 0
+               and not e.key.startswith(PHASE)]  # the ranges' GPU-side annotations are no kernels
     for e in kernels:
-        name = e.key.lower()
-        kind = next((k for k, subs in KERNEL_KINDS if any(x in name for x in subs)), "elementwise/other")
+        kind = _kind(e.key)
         kinds[kind] = kinds.get(kind, 0.0) + e.self_device_time_total / 1e6
+    events = prof.events()
+    runs = [(e.time_range.start, e.time_range.end, e.name) for e in events
+            if e.device_type.name == "CUDA" and not e.name.startswith(PHASE)]
+    phases = {}
+    for e in events:
+        if e.device_type.name == "CPU" and e.name.startswith(PHASE):
+            a, b = e.time_range.start, e.time_range.end
+            inside = [(s, t, n) for s, t, n in runs if a <= s < b]
+            by_kind: dict[str, float] = {}
+            for s, t, n in inside:
+                by_kind[_kind(n)] = by_kind.get(_kind(n), 0.0) + (t - s) / 1e6
+            phases[e.name[len(PHASE):]] = {"wall_s": (b - a) / 1e6, "gpu_busy_s": covered([(s, t) for s, t, _ in inside]) / 1e6,
+                                           "kernels": len(inside), "kernel_s_by_kind": by_kind}
     top = sorted(kernels, key=lambda e: -e.self_device_time_total)[:12]
     # which operators launched the GPU time (a templated kernel name says little: elementwise
     # and copy kernels are one name for many operators)
     ops = sorted((e for e in prof.key_averages() if e.device_type.name == "CPU" and e.self_device_time_total > 0),
                  key=lambda e: -e.self_device_time_total)[:20]
-    return {"wall_s": wall, "kernel_s_by_kind": kinds,
+    return {"wall_s": wall, "kernel_s_by_kind": kinds, "phases": phases,
             "compute_kernel_s": sum(v for k, v in kinds.items() if k != "nccl"),
             "top": [[e.key[:90], e.self_device_time_total / 1e6, e.count] for e in top],
             "top_ops": [[e.key[:90], e.self_device_time_total / 1e6, e.count] for e in ops]}
@@ -414,6 +459,9 @@ def summary(path: str) -> None:
             prof = r["profile"]
             kinds = ", ".join(f"{k} {v:.3f}" for k, v in sorted(prof["kernel_s_by_kind"].items(), key=lambda kv: -kv[1]))
             print(f"profile {r['size']} {r['variant']}: step {prof['wall_s']:.3f} s, GPU kernel s: {kinds}")
+            for name, ph in prof.get("phases", {}).items():
+                print(f"  {name}: {ph['wall_s'] * 1e3:.1f} ms, GPU busy {ph['gpu_busy_s'] * 1e3:.1f} ms "
+                      f"({ph['gpu_busy_s'] / max(ph['wall_s'], 1e-9):.0%}), {ph['kernels']} kernels")
 
 
 def _record(path: str, item: str, error: str) -> None:
