@@ -241,11 +241,10 @@ def _build(args: argparse.Namespace, dist: Any) -> tuple[Any, int, Any]:
     params = sum(p.numel() for p in model.parameters())
     # what the defaults resolve to, for the record
     resolved = replace(ds, attn_implementation=model.config._attn_implementation,
-                       compile_layers=compiles_layers(ds, dist.device.type, model),
-                       overlap_comm=ds.zero_stage == 3 if ds.overlap_comm is None else ds.overlap_comm)
+                       compile_layers=compiles_layers(ds, dist.device.type, model))
     engine = build_engine(model, ds, OptimizerConfig(), micro_batch=args.micro_batch, grad_accum=1,
                           world=dist.world, total_steps=10_000)
-    return engine, params, resolved
+    return engine, params, replace(resolved, overlap_comm=engine.zero_overlap_comm())
 
 
 def _measure(args: argparse.Namespace, name: str, step: Any, rows: list[list[int]], sync: Any,

@@ -81,7 +81,7 @@ def test_layers_whose_compile_fails_run_eagerly_after_one_warning(monkeypatch, c
     ids = torch.randint(0, 97, (2, 9))
     expected = model(input_ids=ids).logits
     compile_layers(model, DeepSpeedConfig(zero_stage=2))
-    with caplog.at_level("WARNING", logger="treadle.trainer.strategy.deepspeed"):
+    with caplog.at_level("WARNING", logger="treadle.trainer.ops.compiled"):
         torch.testing.assert_close(model(input_ids=ids).logits, expected)
         torch.testing.assert_close(model(input_ids=ids).logits, expected)
     assert len(calls) == 1  # the first layer's failure stops the others' attempts

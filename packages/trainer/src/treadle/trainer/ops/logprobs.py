@@ -25,9 +25,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from treadle.common.log import get_logger
+from treadle.trainer.ops.compiled import CompiledOrEager
 
-log = get_logger(__name__)
 CHUNK_TOKENS = 1024
 """Positions per fp32 chunk in ``picked_logprobs`` (a chunk holds CHUNK_TOKENS x V fp32 values)."""
 
@@ -51,25 +50,8 @@ def _pick_grad(logits: Tensor, ids: Tensor, lse: Tensor, grad: Tensor, tau: floa
     return ((hit.float() - torch.exp(z - lse[:, None])) * (grad.float()[:, None] / tau)).to(logits.dtype)
 
 
-class _Fused:
-    """``fn`` through ``torch.compile`` (one graph for every chunk length and vocabulary); eager
-    from the first failure to compile on (no Triton, no compiler: the same math, unfused)."""
-
-    def __init__(self, fn: Callable[..., Any]) -> None:
-        self.fn, self.compiled = fn, torch.compile(fn, dynamic=True)
-
-    def __call__(self, *args: Any) -> Any:
-        if self.compiled is not None:
-            try:
-                return self.compiled(*args)
-            except torch.OutOfMemoryError:
-                raise  # the step's, not the compiler's
-            except Exception as e:  # noqa: BLE001 - a compile failure: fall back, say so once
-                log.warning("log-prob chunks run eagerly: torch.compile of %s failed: %s", self.fn.__name__, e)
-                self.compiled = None
-        return self.fn(*args)
-
-
+# the chunk functions through torch.compile, one graph for every chunk length and vocabulary
+_Fused = functools.partial(CompiledOrEager, what="log-prob chunks", dynamic=True)
 _fused = functools.cache(_Fused)  # one per chunk function
 
 

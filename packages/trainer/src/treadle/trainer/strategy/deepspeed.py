@@ -31,7 +31,6 @@ Not here: model math (``models``), the training loop (``trainers``), checkpoints
 
 from __future__ import annotations
 
-import logging
 import math
 import socket
 from collections.abc import Sequence
@@ -44,7 +43,6 @@ from treadle.common.config import ConfigError
 from treadle.trainer.config.deepspeed import DeepSpeedConfig
 from treadle.trainer.config.optim import OptimizerConfig
 
-log = logging.getLogger(__name__)
 _NEVER = 1 << 62  # steps_per_print: DeepSpeed's own progress lines would duplicate ours
 # DeepSpeed's own defaults, written out so the dict names every knob of ZeRO-3's communication.
 _REDUCE_BUCKET = 500_000_000
@@ -227,26 +225,6 @@ def compiles_layers(ds: DeepSpeedConfig, accelerator: str, model: torch.nn.Modul
     return accelerator == "cuda" and ds.zero_stage == 3 and not untried and bool(decoder_layers(model))
 
 
-class _LayerForward:
-    """A decoder layer's compiled ``forward``; from the first failure to compile on (in any layer
-    of the model: ``failed`` is shared) the eager ``forward``, after one warning."""
-
-    __slots__ = ("compiled", "eager", "failed")
-
-    def __init__(self, eager: Any, failed: list[bool]) -> None:
-        self.eager, self.compiled, self.failed = eager, torch.compile(eager), failed
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if not self.failed[0]:
-            try:
-                return self.compiled(*args, **kwargs)
-            except torch._dynamo.exc.TorchDynamoException as e:  # compiling failed; nothing ran
-                log.warning("decoder layers run eagerly: torch.compile failed (%s: %s); "
-                            "--ds.compile_layers False skips the attempt", type(e).__name__, str(e)[:500])
-                self.failed[0] = True
-        return self.eager(*args, **kwargs)
-
-
 def compile_layers(model: torch.nn.Module, ds: DeepSpeedConfig) -> int:
     """Under ZeRO-3 mark ``model``'s decoder layers leaf modules, then compile each layer's forward;
     returns how many. Call before ``deepspeed.initialize`` (it places ZeRO-3's hooks).
@@ -268,9 +246,14 @@ def compile_layers(model: torch.nn.Module, ds: DeepSpeedConfig) -> int:
         from deepspeed.utils import set_z3_leaf_modules  # noqa: PLC0415
 
         set_z3_leaf_modules(model, sorted({type(m) for m in layers}, key=lambda c: c.__name__))
-    failed = [False]
+    from torch._dynamo.exc import TorchDynamoException  # noqa: PLC0415
+
+    from treadle.trainer.ops.compiled import CompiledOrEager  # noqa: PLC0415
+
+    failed = [False]  # one failed compile leaves every layer eager
     for layer in layers:
-        layer.forward = _LayerForward(layer.forward, failed)
+        layer.forward = CompiledOrEager(layer.forward, "decoder layers", catch=(TorchDynamoException,), failed=failed,
+                                        hint="; --ds.compile_layers False skips the attempt")
     return len(layers)
 
 
