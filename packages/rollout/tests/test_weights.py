@@ -29,6 +29,7 @@ from treadle.rollout.engine.weights import (
     model_eos_ids,
     pack_bucket,
     plan_buckets,
+    send_order,
     spec_from_checkpoint,
     unpack_bucket,
 )
@@ -50,6 +51,22 @@ def test_plan_buckets_is_greedy_and_isolates_big_tensors():
     with pytest.raises(BadRequest):
         bucket_ranges([2, 2], 3)
 
+
+
+def test_ramped_buckets_start_small_and_double_up_to_the_bucket_size():
+    # limits 64, 128, 256, 256...: 60 | 60 (+60 -> 124) | 100, 100 (-> 228) | 200 | 200
+    assert plan_buckets([60, 60, 60, 100, 100, 200, 200], 256, ramp=2) == [1, 2, 2, 1, 1]
+    assert plan_buckets([60, 60, 60, 100, 100, 200, 200], 256) == [3, 2, 1, 1]  # ramp 0: as before
+    assert plan_buckets([500, 10], 256, ramp=3) == [1, 1]  # a tensor over its limit still goes alone
+    assert plan_buckets([1, 2], 0, ramp=3) == [1, 1]
+    with pytest.raises(ValueError, match="ramp must be >= 0, got -1"):
+        plan_buckets([1], 256, ramp=-1)
+
+
+def test_send_order_puts_tensors_larger_than_a_bucket_last_keeping_each_part_in_order():
+    assert send_order([500, 10, 300, 20, 30], 256) == [1, 3, 4, 0, 2]
+    assert send_order([500, 10], 0) == [0, 1]
+    assert send_order([], 256) == []
 
 def _mixed():
     g = torch.Generator().manual_seed(0)

@@ -1,6 +1,6 @@
 """Rank 0's reads of the other ranks' ZeRO-3 partitions (``weights.peers``), the parts that run
-without CUDA: merging neighbouring partitions into one copy, the rows rank 0 reads (one copy
-per stretch of a peer's memory), and the checks that send a sync back to the gathers. The
+without CUDA: merging neighbouring partitions into one copy, the rows rank 0 reads (views of a
+peer's memory, or one copy per stretch of it into staging), and the checks that send a sync back to the gathers. The
 mapping itself (CUDA IPC) is ``map_on``, replaced here by a CPU buffer standing in for another
 rank's mapped memory (a named fake of the neighbour that needs CUDA); the real one runs in the
 GPU suite (``test_gpu_weights.py``), and the fallback on CPU in the 2-rank gloo scenario
@@ -40,15 +40,31 @@ def test_rows_copy_each_stretch_of_peer_memory_once_and_view_every_partition():
     far[:12] = torch.tensor([20, 21, 22], dtype=torch.float32).view(torch.uint8)
     far[-8:] = torch.tensor([23, 24], dtype=torch.float32).view(torch.uint8)
     other = torch.tensor([25], dtype=torch.float32).view(torch.uint8)
-    reads = PeerReads(None)
+    reads = PeerReads(None, direct=False)
     reads._where = {id(params[0]): [(rank1, 4, 12), (far, 0, 12)], id(params[1]): [(rank1, 16, 8), (far, len(far) - 8, 8)],
                     id(params[2]): [(rank1, 24, 4), (other, 0, 4)]}
-    staging, rows = reads.rows(params)
+    where, rows = reads.rows(params)
     assert [[t.tolist() for t in row] for row in rows] == [[[1, 2, 3], [4, 5], [6]], [[10, 11, 12], [13, 14], [9]],
                                                           [[20, 21, 22], [23, 24], [25]]]
-    copies = reads._kept.memo(("rows", staging.data_ptr(), tuple(id(p) for p in params)), None)[0]
+    assert where[:2] == ("staged", reads.generation)
+    copies = reads._kept.memo(("rows", where[2], tuple(id(p) for p in params)), None)[0]
     assert len(copies) == 1 + 3  # rank 1: one stretch; rank 2: too far apart, and another storage
-    assert staging.shape[1] < 1 << 10  # the gap itself was not copied
+    assert sum(dst.numel() for dst, _ in copies) < 1 << 10  # the gap itself was not copied
+
+
+def test_direct_rows_are_views_of_the_peers_memory_that_see_its_current_values():
+    params = [param([1, 2, 3], (5,)), param([4, 5], (4,))]
+    rank1 = torch.tensor([9, 10, 11, 12, 13, 14], dtype=torch.float32)
+    raw = rank1.view(torch.uint8)
+    reads = PeerReads(None, direct=True)
+    reads._where = {id(params[0]): [(raw, 4, 12)], id(params[1]): [(raw, 16, 8)]}
+    where, rows = reads.rows(params)
+    assert where == ("direct", reads.generation)
+    assert [[t.tolist() for t in row] for row in rows] == [[[1, 2, 3], [4, 5]], [[10, 11, 12], [13, 14]]]
+    assert rows[1][0].data_ptr() == raw.data_ptr() + 4 and rows[0][1].data_ptr() == params[1].ds_tensor.data_ptr()
+    rank1 += 100  # the next sync: new values in the same memory, nothing copied
+    _, again = reads.rows(params)
+    assert again is rows and [t.tolist() for t in again[1]] == [[110, 111, 112], [113, 114]]
 
 
 def shares(pieces1: list[tuple[int, int, int]], *, error: str = "", uuid: str = "gpu-1") -> list[bytes]:
@@ -103,15 +119,15 @@ def test_a_share_with_unknown_fields_does_not_decode():
 def test_staging_buffers_alternate_and_keep_reading_the_partitions_current_values():
     params = [param([1, 2], (4,))]
     rank1 = torch.tensor([3, 4], dtype=torch.float32)
-    reads = PeerReads(None)
+    reads = PeerReads(None, direct=False)
     reads._where = {id(params[0]): [(rank1.view(torch.uint8), 0, 8)]}
     first, _ = reads.rows(params)
     second, _ = reads.rows(params)
-    assert first.data_ptr() != second.data_ptr()  # two staging buffers, used in turn
+    assert first[2] != second[2]  # two staging buffers, used in turn
     rank1 += 10  # the next sync: new values in the same memory
     params[0].ds_tensor -= 1
     third, rows = reads.rows(params)
-    assert third.data_ptr() == first.data_ptr()
+    assert third[2] == first[2]
     assert [t.tolist() for t in rows[0]] == [[0, 1]] and [t.tolist() for t in rows[1]] == [[13, 14]]
 
 

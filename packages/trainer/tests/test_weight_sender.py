@@ -248,7 +248,7 @@ def test_config_refuses_adapters_and_bad_values():
     with pytest.raises(ConfigError, match="merged"):
         SenderConfig(lora="adapter")
     for bad in ({"dtype": "int8"}, {"bucket_bytes": -1}, {"canary_token_ids": (5,)}, {"port": 70000},
-                {"timeout_s": 0}):
+                {"timeout_s": 0}, {"ramp": -1}, {"ramp": 17}):
         with pytest.raises(ConfigError):
             SenderConfig(**bad)
 
@@ -427,6 +427,9 @@ def run_zero3(daemon: Daemon, model: Path, out: Path, nproc: int, run_torchrun: 
         times = [stamps[k] for k in ("called", "loading", "loaded", "done")]
         assert times == sorted(times) and times[0] >= -0.05 and times[-1] <= r["report"]["seconds"] + 0.05, name
     assert main["bucketed"]["report"]["buckets"] > 1 and main["per_tensor"]["report"]["buckets"] == 26
+    # ramped: the tied embedding, first in the model's order and larger than a bucket, was sent last
+    assert main["model_order"][0] == main["sent_order"][-1] == "model.embed_tokens.weight"
+    assert sorted(main["sent_order"]) == sorted(main["model_order"])
     assert main["inline"]["version"] == v + 3
     assert main["after_wrong"] == v + 3  # the refused version changed nothing
     assert main["lora"]["gap"] <= TOL and main["lora"]["version"] == v + 5

@@ -113,10 +113,13 @@ def zero3(a: argparse.Namespace, client, main: bool) -> dict:  # noqa: ANN001
     from treadle.trainer.weights.sender import SenderConfig, WeightSender
 
     engine, out, v = build(a.model, dist.get_world_size()), {}, a.version
-    sender = WeightSender(engine, config=SenderConfig(bucket_bytes=64 << 10, canary_token_ids=CANARY),
+    # ramped buckets: the tied embedding (> 64 KiB) goes last, the first buckets hold 8 KiB, 16 KiB, ...
+    sender = WeightSender(engine, config=SenderConfig(bucket_bytes=64 << 10, canary_token_ids=CANARY, ramp=3),
                           client=client, zero_stage=3, is_main=main)
     train_step(engine, v)
     out["bucketed"] = {"report": report(sender.sync(v)), **check(engine, client)}
+    out["sent_order"] = [it.name for it in sender._in_send_order(sender._plan(sender._module, sender._dtype))]
+    out["model_order"] = [it.name for it in sender._plan(sender._module, sender._dtype)]
     out["same_version"] = attempt(lambda: sender.sync(v))
     train_step(engine, v + 1)
     out["next_version"] = {"report": report(sender.sync(v + 1)), **check(engine, client)}
@@ -151,7 +154,7 @@ class CopiedPeerReads:
     def __init__(self, group) -> None:  # noqa: ANN001
         from treadle.trainer.weights.peers import PeerReads
 
-        self._real = PeerReads(group)  # its rows (``rows``) over the copies
+        self._real = PeerReads(group, direct=True)  # its rows (``rows``): views of the copies
         self.active = False
         self.generation = 0
 
@@ -168,7 +171,8 @@ class CopiedPeerReads:
                 at += nbytes
             self._real._where = where
             self._real._kept.clear()  # new copies at every sync: the views into the last ones are stale
-            self.generation += 1
+            self._real.generation += 1  # and so are the packing views kept under the rows' name
+            self.generation = self._real.generation
         self.active = True
         return True
 
@@ -187,7 +191,7 @@ def peer_reads(engine, client, main: bool, v: int) -> dict:  # noqa: ANN001
     out = {}
     real, sender_mod.PeerReads = sender_mod.PeerReads, CopiedPeerReads
     try:
-        with WeightSender(engine, config=SenderConfig(bucket_bytes=64 << 10, peer_reads=True), client=client,
+        with WeightSender(engine, config=SenderConfig(bucket_bytes=64 << 10, peer_reads=True, ramp=2), client=client,
                           zero_stage=3, is_main=main) as s:
             train_step(engine, v)
             out["peer"] = {"report": report(s.sync(v)), **check(engine, client)}

@@ -180,25 +180,42 @@ def bucket_layout(dtypes: Sequence[str], shapes: Sequence[Sequence[int]],
     return offsets, _round_up(end, align)
 
 
-def plan_buckets(nbytes: Sequence[int], bucket_bytes: int) -> list[int]:
+def plan_buckets(nbytes: Sequence[int], bucket_bytes: int, ramp: int = 0) -> list[int]:
     """``bucket_sizes`` for tensors of ``nbytes``: greedy runs of consecutive tensors.
 
-    A bucket takes tensors while its (aligned) size stays <= ``bucket_bytes``; a tensor larger
-    than ``bucket_bytes`` gets a bucket of its own. ``bucket_bytes <= 0``: one tensor per bucket.
+    A bucket takes tensors while its (aligned) size stays <= its limit; a tensor larger than the
+    limit gets a bucket of its own. The limit is ``bucket_bytes``, except for the first ``ramp``
+    buckets: ``bucket_bytes / 2**ramp`` for the first, doubling with each bucket up to
+    ``bucket_bytes`` (limit_k = bucket_bytes >> (ramp - k) for k < ramp). A sender that packs
+    one bucket while it broadcasts the one before can start broadcasting after packing a small
+    bucket, not a full one. ``bucket_bytes <= 0``: one tensor per bucket.
     """
     if bucket_bytes <= 0:
         return [1] * len(nbytes)
+    if ramp < 0:
+        raise ValueError(f"ramp must be >= 0, got {ramp}")
     sizes: list[int] = []
     count = used = 0
     for nb in nbytes:
+        limit = bucket_bytes >> max(0, ramp - len(sizes))
         grown = _round_up(used, ALIGN) + nb
-        if count and grown > bucket_bytes:
+        if count and grown > limit:
             sizes.append(count)
             count, grown = 0, nb
         count, used = count + 1, grown
     if count:
         sizes.append(count)
     return sizes
+
+
+def send_order(nbytes: Sequence[int], bucket_bytes: int) -> list[int]:
+    """Indices of tensors of ``nbytes`` in the order to send them: those that fit a bucket of
+    ``bucket_bytes`` in their order, then the larger ones in theirs (an embedding table first
+    in a model's order would be the first bucket, which nothing overlaps: the sender packs it
+    before the first broadcast can start). ``bucket_bytes <= 0``: the given order."""
+    if bucket_bytes <= 0:
+        return list(range(len(nbytes)))
+    return [i for i, n in enumerate(nbytes) if n <= bucket_bytes] + [i for i, n in enumerate(nbytes) if n > bucket_bytes]
 
 
 def bucket_ranges(bucket_sizes: Sequence[int], n: int) -> list[tuple[int, int]]:

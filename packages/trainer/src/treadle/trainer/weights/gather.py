@@ -676,8 +676,8 @@ def _pulled(items: Sequence[Item], params: list[torch.Tensor], peers: PeerReads,
             buffer: torch.Tensor) -> torch.Tensor:
     """The partitions ``peers`` read (``PeerReads.rows``) copied into their packed place at the
     front of ``buffer``."""
-    staging, rows = peers.rows(params)
-    return _scatter(items, rows, kept, buffer, where=("rows", peers.generation, staging.data_ptr()))
+    where, rows = peers.rows(params)
+    return _scatter(items, rows, kept, buffer, where=where)
 
 
 def _scatter(items: Sequence[Item], grid: Any, kept: Kept | None, buffer: torch.Tensor,

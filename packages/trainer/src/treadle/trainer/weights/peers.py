@@ -2,7 +2,7 @@
 
     peers = PeerReads(group)                  # every rank; group: a gloo group of all ranks
     if peers.prepare(params, main=is_main):   # collective; same answer on every rank
-        staging, rows = peers.rows(bucket_params)  # rank 0 only: rows[r][i] = rank r's partition of param i
+        where, rows = peers.rows(bucket_params)  # rank 0 only: rows[r][i] = rank r's partition of param i
     peers.close()
 
 Why: the weight sender gathers each bucket to rank 0 before broadcasting it to the engines. An
@@ -10,9 +10,12 @@ NCCL gather runs a kernel on every rank's GPU; on a host where an engine receive
 those GPUs (2xH200: trainer rank 1 and the receiver share GPU 1), the two processes' kernels are
 time-sliced, so gather and broadcast took turns: 15.2 ms for what takes 9.2 ms (broadcast)
 and 5.2 ms (gather) apart. Here every rank shares its partition storage with rank 0 once over
-CUDA IPC; rank 0 maps it into its own GPU's context and copies the partitions with a plain
-device copy, which its copy engine runs: nothing is queued on the other GPUs, and the same
-pulls overlapped the broadcast (10.2 ms for both; ``docs/benchmarks.md``).
+CUDA IPC; rank 0 maps it into its own GPU's context and copies the partitions into a staging
+buffer with a plain device copy, which its copy engine runs, then packs from there: nothing is
+queued on the other GPUs, and the same pulls overlapped the broadcast (10.2 ms for both;
+``docs/benchmarks.md``). With ``direct``, rank 0's packing kernel reads the other ranks'
+partitions from their mapped memory straight into the packed bucket instead, one pass over the
+bucket instead of two (off until measured on GPUs; the GPU bench compares the two).
 
 ``prepare`` (every rank, each sync): each rank waits for its GPU work (the partitions are final),
 and the ranks tell each other (one all-reduce over ``group``) whether any partition moved since
@@ -63,8 +66,9 @@ _DECODE = msgspec.msgpack.Decoder(_Share)
 class PeerReads:
     """Rank 0's reads of its peers' partitions (see the module docstring)."""
 
-    def __init__(self, group: Any) -> None:
+    def __init__(self, group: Any, direct: bool = False) -> None:
         self._group = group
+        self.direct = direct  # pack from the mapped memory itself, not from a staging copy
         self._shared: dict[int, tuple[torch.UntypedStorage, bytes]] = {}  # data_ptr -> (storage, handle)
         self._mapped: dict[bytes, torch.Tensor] = {}  # rank 0: handle -> the storage mapped on its GPU
         self._where: dict[int, list[Piece]] = {}  # rank 0: id(param) -> its partition on each other rank
@@ -121,22 +125,29 @@ class PeerReads:
         self.active, self.disabled = ok[0] == 1, ok[0] == -1
         return self.active
 
-    def rows(self, params: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[list[torch.Tensor]]]:
-        """Rank 0: ``(staging, rows)``, ``rows[r][i]`` = rank r's partition of ``params[i]`` (1-d):
-        rank 0's own partitions as they are, the other ranks' copied on the current stream into
-        ``staging``, one of two buffers kept for the next syncs (``gather.Kept``: a bucket's is
-        written again two buckets later). One copy per stretch of a peer's memory that holds
-        the bucket's partitions (DeepSpeed keeps them in a few flat buffers, ordered by
-        parameter group: a bucket is one or two stretches, not a copy per parameter); the
-        copies and views are made once per bucket and staging buffer."""
-        spans, width = self._kept.memo(("spans", tuple(id(p) for p in params)), lambda: _spans(params, self._where))
+    def rows(self, params: Sequence[torch.Tensor]) -> tuple[Any, list[list[torch.Tensor]]]:
+        """Rank 0: ``(where, rows)``, ``rows[r][i]`` = rank r's partition of ``params[i]`` (1-d),
+        and a key naming the memory the rows lie in (views of it may be kept under that key).
+        Rank 0's own partitions are as they are. With ``direct``, the other ranks' are views of
+        their memory as mapped here (made once per bucket), read by whatever packs the rows.
+        Else they are copied on the current stream into ``staging``, one of two buffers kept
+        for the next syncs (``gather.Kept``: a bucket's is written again two buckets later):
+        one copy per stretch of a peer's memory that holds the bucket's partitions (DeepSpeed
+        keeps them in a few flat buffers, ordered by parameter group: a bucket is one or two
+        stretches, not a copy per parameter); the copies and views are made once per bucket
+        and staging buffer."""
+        ids = tuple(id(p) for p in params)  # parameters are kept objects
+        if self.direct:
+            rows = self._kept.memo(("direct", ids), lambda: _mapped_rows(params, self._where))
+            return ("direct", self.generation), rows
+        spans, width = self._kept.memo(("spans", ids), lambda: _spans(params, self._where))
         first = params[0].ds_tensor
         staging = self._kept.grid(len(spans), width, torch.uint8, first.device)
-        key = ("rows", staging.data_ptr(), tuple(id(p) for p in params))  # parameters are kept objects
-        copies, rows = self._kept.memo(key, lambda: _rows(params, self._where, spans, staging))
+        copies, rows = self._kept.memo(("rows", staging.data_ptr(), ids),
+                                       lambda: _rows(params, self._where, spans, staging))
         for dst, src in copies:
             dst.copy_(src, non_blocking=True)  # same device (the peer's memory is mapped): a copy engine
-        return staging, rows
+        return ("staged", self.generation, staging.data_ptr()), rows
 
     def close(self) -> None:
         """Unmap the peers' storages and release this rank's shares."""
@@ -243,6 +254,19 @@ def _rows(params: Sequence[torch.Tensor], where: dict[int, list[Piece]], spans: 
             row.append(staging[r, start:start + nbytes].view(p.ds_tensor.dtype))
         rows.append(row)
     return copies, rows
+
+
+def _mapped_rows(params: Sequence[torch.Tensor], where: dict[int, list[Piece]]) -> list[list[torch.Tensor]]:
+    """Row 0: rank 0's own partitions; row r: views of rank r's partitions in its memory as
+    mapped on rank 0's GPU."""
+    rows = [[p.ds_tensor.reshape(-1) for p in params]]
+    for r in range(len(where[id(params[0])])):
+        row = []
+        for p in params:
+            storage, off, nbytes = where[id(p)][r]
+            row.append(storage[off:off + nbytes].view(p.ds_tensor.dtype))
+        rows.append(row)
+    return rows
 
 
 def _visible_gpus() -> set[str]:

@@ -71,7 +71,7 @@ from treadle.common.records import WeightUpdate
 from treadle.rollout.client import WeightGroupStale
 from treadle.rollout.engine.group import GroupSpec, WeightGroup
 from treadle.rollout.engine.ipc import encode_buckets
-from treadle.rollout.engine.weights import bucket_ranges, plan_buckets
+from treadle.rollout.engine.weights import bucket_ranges, plan_buckets, send_order
 from treadle.trainer.weights.gather import (
     Item,
     Kept,
@@ -128,6 +128,10 @@ class SenderConfig:
     # engine may be receiving) instead of NCCL gathers, and packs while the daemon accepts; gathers
     # where it cannot, saying why once (``weights.peers``). On 2xH200: 13.6 ms against 22.3 ms a
     # 1.5B sync (docs/benchmarks.md)
+    ramp: int = 0  # > 0: the first buckets are smaller, bucket_bytes / 2**ramp doubling up to bucket_bytes,
+    # and tensors larger than a bucket are sent last, so that the first broadcast starts after packing a
+    # few MB, not a full bucket (``plan_buckets``, ``send_order``); 0: full buckets in the model's order.
+    # Off until measured on GPUs (docs/benchmarks.md, GPU weight sync, eighth run)
     arm: bool = False  # collective transport, synchronous RL: arm the engines for the next sync after each
     # rollout (``WeightSender.arm``): they pause while the trainer trains and receive the first bucket on rank
     # 0's signal over the group's store, without waiting for the update's request to reach them
@@ -137,6 +141,8 @@ class SenderConfig:
             raise ConfigError(f"--transport must be collective, inline or cuda_ipc, got {self.transport!r}")
         if self.backend not in ("gloo", "nccl"):
             raise ConfigError(f"--backend must be gloo or nccl, got {self.backend!r}")
+        if not 0 <= self.ramp <= 16:
+            raise ConfigError(f"--ramp must be 0-16 (the first bucket is bucket_bytes / 2**ramp), got {self.ramp}")
         if self.bucket_bytes < 0:
             raise ConfigError(f"--bucket_bytes must be >= 0 (0: one tensor per broadcast), got {self.bucket_bytes}")
         if self.dtype is not None and self.dtype not in ENGINE_DTYPES:
@@ -183,7 +189,7 @@ class _Arming:
 
     version: int
     items: list[Item]  # the plan the header was made from
-    bucket_bytes: int
+    buckets: tuple[int, int]  # its (bucket_bytes, ramp)
     group: WeightGroup  # the engines wait in this group
     answer: concurrent.futures.Future[Any]  # the daemon's ``arm_weights`` answer
 
@@ -231,6 +237,7 @@ class WeightSender:
         self._kept = Kept()  # rank 0's grids and views, from one sync to the next
         self._plan = Planner()  # the tensors to send, kept while the model's stay the same
         self._laid: dict[Any, tuple[list[Item], _Layout]] = {}  # (id(plan), bucket bytes) -> (plan, layout)
+        self._ordered: dict[Any, tuple[list[Item], list[Item]]] = {}  # (id(plan), bucket bytes) -> (plan, in send order)
         self._coalesce = config.gather == "coalesced"
         self._arming: _Arming | None = None
         self._arm_refused = False  # the daemon cannot arm (its backend, or a keeper in the group): stop asking
@@ -243,7 +250,7 @@ class WeightSender:
         if self._closed:
             raise RuntimeError("WeightSender.sync after close()")
         start, wall = time.perf_counter(), time.time()
-        items = self._plan(self._module, self._dtype)
+        items = self._in_send_order(self._plan(self._module, self._dtype))
         canary = self._canary()
         run = {"inline": self._sync_inline, "cuda_ipc": self._sync_ipc}.get(self.config.transport, self._sync_collective)
         try:
@@ -277,7 +284,7 @@ class WeightSender:
             return
         self._signal_armed(None, None)  # an arming no sync used: its engines stand down
         try:
-            items = self._plan(self._module, self._dtype)
+            items = self._in_send_order(self._plan(self._module, self._dtype))
             if self._group is None:
                 self._join()
             update = self._header(version, items, None, sizes=self._layout(items).sizes,
@@ -286,7 +293,7 @@ class WeightSender:
         except Exception as e:
             log.warning("could not arm the engines for weight version %d: %s", version, e)
             return
-        self._arming = _Arming(version=version, items=items, bucket_bytes=self.config.bucket_bytes,
+        self._arming = _Arming(version=version, items=items, buckets=(self.config.bucket_bytes, self.config.ramp),
                                group=self._group, answer=answer)
 
     def close(self) -> None:
@@ -476,7 +483,7 @@ class WeightSender:
         if answer.get("failed"):
             log.warning("engines not armed for weight version %d: %s", arming.version, answer["failed"])
         go = (not answer.get("failed") and arming.version == version and arming.items is items
-              and arming.bucket_bytes == self.config.bucket_bytes and arming.group is self._group)
+              and arming.buckets == (self.config.bucket_bytes, self.config.ramp) and arming.group is self._group)
         if arming.group is self._group:  # else the engines left that group, which disarmed them
             try:
                 self._group.signal(arming.version, go)
@@ -532,19 +539,35 @@ class WeightSender:
 
     def _layout(self, items: list[Item]) -> _Layout:
         """``items``' buckets and header lists, made once per plan (the kept plan is the same
-        list from one sync to the next) and bucket size; a few are kept (a sender whose bucket
+        list from one sync to the next) and bucket size and ramp; a few are kept (a sender whose bucket
         size changes back and forth, as the GPU bench's does, does not remake them)."""
-        key = (id(items), self.config.bucket_bytes)
+        key = (id(items), self.config.bucket_bytes, self.config.ramp)
         if key not in self._laid:
             if len(self._laid) >= 4:  # older plans (a new plan is a new list) or bucket sizes
                 self._laid = {}
-            sizes = plan_buckets([it.nbytes for it in items], self.config.bucket_bytes)
+            sizes = plan_buckets([it.nbytes for it in items], self.config.bucket_bytes, self.config.ramp)
             per = [bucket_bytes(items[lo:hi]) for lo, hi in bucket_ranges(sizes, len(items))]
             laid = _Layout(sizes=sizes, largest=max(per, default=0), total=sum(per),
                            nbytes=sum(it.nbytes for it in items), names=[it.name for it in items],
                            dtypes=[it.dtype_name for it in items], shapes=[list(it.shape) for it in items])
             self._laid[key] = (items, laid)  # holding the plan: its id is not handed out again meanwhile
         return self._laid[key][1]
+
+    def _in_send_order(self, planned: list[Item]) -> list[Item]:
+        """``planned`` reordered by ``send_order`` (with ``ramp``), as one list kept per plan and
+        bucket size: the same object from one sync to the next while the plan is kept, as the
+        layouts and the armed check want."""
+        if not self.config.ramp:
+            return planned
+        key = (id(planned), self.config.bucket_bytes)
+        kept = self._ordered.get(key)
+        if kept is None or kept[0] is not planned:
+            if len(self._ordered) >= 4:
+                self._ordered = {}
+            order = send_order([it.nbytes for it in planned], self.config.bucket_bytes)
+            kept = (planned, planned if order == sorted(order) else [planned[i] for i in order])
+            self._ordered[key] = kept  # holding the plan: its id is not handed out again meanwhile
+        return kept[1]
 
     def _buffers_for(self, items: list[Item]) -> list[torch.Tensor]:
         """Two buffers, each large enough for the largest bucket (kept for the next sync)."""
