@@ -22,11 +22,10 @@ trainer model from the same config (seed 1), wrapped in a ZeRO-3 DeepSpeed engin
    gather, pack, transfer, the engine's load, the daemon's answer), each bucketed
    (``--bucket-mb``) and per tensor; ``nccl_peer`` (the sender's default: rank 0 reads rank 1's
    partitions over CUDA IPC, ``peer_reads``; ``nccl`` is the same sender with NCCL gathers),
-   its variants ``nccl_peer_staged`` (the reads copied to staging first), ``nccl_peer_flat``
-   (full buckets in the model's order, no ``ramp``) and ``nccl_peer_arm`` (armed engines), and
-   ``pull_pack`` / ``pull_pack_staged`` (those reads + packing alone), bucketed. The plain
-   buckets of the raw transfers and of ``gather*`` / ``pull_pack*`` are full ones in the
-   model's order (``ramp`` 0).
+   its variants ``nccl_peer_direct`` (packed straight from the peers' mapped memory),
+   ``nccl_peer_ramp`` (ramped buckets, ``RAMP``), both, and ``nccl_peer_arm`` (armed engines),
+   and ``pull_pack`` / ``pull_pack_direct`` (those reads + packing alone), bucketed. The raw
+   transfers and ``gather*`` / ``pull_pack*`` use full buckets in the model's order.
 
 Medians are reported with the ratios the issue sets goals for (NCCL path <= 1.3x raw NCCL, IPC
 path <= 1.5x raw IPC) and the same ratios for the transfer part alone (``send_s``: rank 0's
@@ -61,6 +60,7 @@ import torch.distributed as dist
 ROOT = Path(__file__).resolve().parents[2]
 
 PROBE = list(range(5, 69))
+RAMP = 4  # the ``_ramp`` syncs' SenderConfig.ramp: a 16 MiB first bucket at --bucket-mb 256
 SHAPE_1P5B = dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
                   num_key_value_heads=2, vocab_size=151936)  # Qwen2.5-1.5B's shape
 SHAPE_TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -270,14 +270,14 @@ class Bench:
     def sync(self, sender, name: str, layout: str) -> dict:  # noqa: ANN001
         """``name``: the daemon, with ``_peer`` the same sender with peer reads on (rank 0 reads
         rank 1's partitions over CUDA IPC instead of NCCL gathers), with ``_arm`` armed first
-        (``WeightSender.arm``), with ``_staged`` the peer reads copied to staging before packing
-        (``PeerReads.direct`` off), with ``_flat`` full buckets in the model's order (``ramp`` 0). Every sync starts after ``--idle-ms`` of quiet (as after training)."""
+        (``WeightSender.arm``), with ``_direct`` the peers' memory packed from directly
+        (``PeerReads.direct``), with ``_ramp`` ramped buckets (``SenderConfig.ramp = RAMP``). Every sync starts after ``--idle-ms`` of quiet (as after training)."""
         daemon, flags = name.split("_")[0], name.split("_")[1:]
         sender.config = dataclasses.replace(sender.config, bucket_bytes=self.bucket_bytes[layout],
                                             peer_reads="peer" in flags, arm="arm" in flags,
-                                            ramp=0 if "flat" in flags else type(sender.config)().ramp)
+                                            ramp=RAMP if "ramp" in flags else type(sender.config)().ramp)
         if sender._peers is not None:  # made at the first peer-read sync
-            sender._peers.direct = "staged" not in flags
+            sender._peers.direct = "direct" in flags
         self.versions[daemon] += 1
         sender.arm(self.versions[daemon])  # a no-op unless armed
         time.sleep(self.a.idle_ms / 1e3)
@@ -325,12 +325,12 @@ class Bench:
 
 def schedule(repeats: int, ipc: bool) -> list[list[tuple[str, str]]]:
     """Rounds of (op, layout); round 0 is the warm-up; every other round runs reversed. The
-    ``_peer``, ``_arm`` and ``_flat`` syncs and ``pull_pack*`` run bucketed only."""
+    ``_peer``, ``_arm`` and ``_ramp`` syncs and ``pull_pack*`` run bucketed only."""
     ops = ["raw_nccl", "gather_all", "gather", "gather_pack", "nccl"] + (
-        ["pull_pack", "pull_pack_staged", "nccl_peer", "nccl_peer_staged", "nccl_peer_flat", "nccl_peer_arm",
-         "raw_ipc", "ipc"] if ipc else ["nccl_flat", "nccl_arm"])
+        ["pull_pack", "pull_pack_direct", "nccl_peer", "nccl_peer_direct", "nccl_peer_ramp", "nccl_peer_direct_ramp",
+         "nccl_peer_arm", "raw_ipc", "ipc"] if ipc else ["nccl_ramp", "nccl_arm"])
     one = [(op, layout) for op in ops for layout in LAYOUTS
-           if layout == "bucketed" or not ("_peer" in op or "_arm" in op or "_flat" in op or op.startswith("pull_pack"))]
+           if layout == "bucketed" or not ("_peer" in op or "_arm" in op or "_ramp" in op or op.startswith("pull_pack"))]
     return [one if r % 2 == 0 else one[::-1] for r in range(repeats + 1)]
 
 
@@ -381,7 +381,8 @@ def summarise(rows: list[dict], bench: Bench) -> dict:
         med[f"{key[0]}/{key[1]}"] = {k: statistics.median(r[k] for r in sel if k in r)
                                      for k in sel[0] if k.endswith("_s") or k == "s"}
     ratios = {}
-    for t in ("nccl", "ipc", "nccl_peer", "nccl_peer_staged", "nccl_peer_flat", "nccl_flat", "nccl_arm", "nccl_peer_arm"):
+    for t in ("nccl", "ipc", "nccl_peer", "nccl_peer_direct", "nccl_peer_ramp", "nccl_peer_direct_ramp", "nccl_ramp",
+              "nccl_arm", "nccl_peer_arm"):
         for layout in LAYOUTS:
             e2e, raw = med.get(f"{t}/{layout}"), med.get(f"raw_{t.split('_')[0]}/{layout}")
             if e2e is None or raw is None:
@@ -403,9 +404,9 @@ def timing(bench: Bench, senders: dict, group, store, src: dict) -> list[dict]: 
                 res = bench.raw_nccl(layout, group, store, src)
             elif op == "raw_ipc":
                 res = bench.raw_ipc(layout, store, src)
-            elif op in ("gather", "gather_pack", "gather_all", "pull_pack", "pull_pack_staged"):
+            elif op in ("gather", "gather_pack", "gather_all", "pull_pack", "pull_pack_direct"):
                 if bench.peers is not None:
-                    bench.peers.direct = op != "pull_pack_staged"
+                    bench.peers.direct = op == "pull_pack_direct"
                 res = {"s": bench.gather(layout, src[layout] if "_pack" in op and bench.main else None,
                                          to_main=op != "gather_all", peers=bench.peers if op.startswith("pull") else None)}
             else:
