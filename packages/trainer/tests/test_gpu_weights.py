@@ -98,7 +98,8 @@ def test_zero3_weights_reach_gpu_daemons_bit_identical_over_nccl_and_ipc(daemons
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     main = results[0]
     print(json.dumps({k: v for k, v in main.items() if k != "world"}, indent=None))
-    for name in ("nccl_bucketed", "nccl_per_tensor", "nccl_gathered", "nccl_armed", "ipc_bucketed", "ipc_per_tensor"):
+    for name in ("nccl_bucketed", "nccl_per_tensor", "nccl_gathered", "nccl_armed", "nccl_direct_ramp", "ipc_bucketed",
+                 "ipc_per_tensor"):
         first, second = main[name]
         for r in (first, second):
             assert r["digest_ok"] and r["gap"] <= BF16_TOL, (name, r)
@@ -106,7 +107,7 @@ def test_zero3_weights_reach_gpu_daemons_bit_identical_over_nccl_and_ipc(daemons
             assert ("signalled" in r["report"]["engine_seconds"]["e0"]) == (name == "nccl_armed"), (name, r)
             # rank 0 read rank 1's partitions over CUDA IPC (the default), except where told to gather
             # over NCCL and with the cuda_ipc transport (which gathers)
-            peer = name in ("nccl_bucketed", "nccl_per_tensor", "nccl_armed")
+            peer = name in ("nccl_bucketed", "nccl_per_tensor", "nccl_armed", "nccl_direct_ramp")
             assert all(res[name][i]["peer_reads"] == peer for res in results for i in (0, 1))
             assert r["report"]["updated"] == ["e0"] and r["version"] == r["report"]["version"], (name, r)
         assert second["version"] == first["version"] + 1
