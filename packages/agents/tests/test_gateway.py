@@ -117,9 +117,12 @@ def test_drift_is_reported_and_recorded_tokens_kept(gateway, chat) -> None:
     for turn in range(3):
         r = client.chat(messages, session_id="drift-1", max_tokens=8, seed=turn, return_token_ids=True)
         replies.append(r)
-        # the agent hands the reply back with a leading space (frameworks reformat text): the same turn
-        # for the conversation, but the template now renders other tokens than the policy sampled
-        content = " " + r["choices"][0]["message"]["content"]
+        # the agent hands the reply back reformatted (frameworks do): a leading space added, or the
+        # reply's own leading whitespace dropped (one more space before a reply that starts with
+        # spaces could tokenize to the same first tokens). The same turn for the conversation, but
+        # the template now renders other tokens than the policy sampled, from the reply's first on
+        sampled = r["choices"][0]["message"]["content"]
+        content = sampled.lstrip() if sampled[:1].isspace() else " " + sampled
         messages += [{"role": "assistant", "content": content}, {"role": "user", "content": "More."}]
     assert "drift" not in replies[0]
     drifts = [r["drift"] for r in replies[1:]]
