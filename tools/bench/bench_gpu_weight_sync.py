@@ -23,7 +23,9 @@ trainer model from the same config (seed 1), wrapped in a ZeRO-3 DeepSpeed engin
    (``--bucket-mb``) and per tensor; ``nccl_peer`` (the sender's default: rank 0 reads rank 1's
    partitions over CUDA IPC, ``peer_reads``; ``nccl`` is the same sender with NCCL gathers),
    its variants ``nccl_peer_direct`` (packed straight from the peers' mapped memory),
-   ``nccl_peer_ramp`` (ramped buckets, ``RAMP``), both, and ``nccl_peer_arm`` (armed engines),
+   ``nccl_peer_ramp`` (ramped buckets, ``RAMP``), both, ``nccl_peer_arm`` (armed engines) and all
+   three (once the fill before the first broadcast is short, the daemon's acceptance, which
+   arming skips, is what the broadcasts wait for),
    and ``pull_pack`` / ``pull_pack_direct`` (those reads + packing alone), bucketed. The raw
    transfers and ``gather*`` / ``pull_pack*`` use full buckets in the model's order.
 
@@ -328,7 +330,7 @@ def schedule(repeats: int, ipc: bool) -> list[list[tuple[str, str]]]:
     ``_peer``, ``_arm`` and ``_ramp`` syncs and ``pull_pack*`` run bucketed only."""
     ops = ["raw_nccl", "gather_all", "gather", "gather_pack", "nccl"] + (
         ["pull_pack", "pull_pack_direct", "nccl_peer", "nccl_peer_direct", "nccl_peer_ramp", "nccl_peer_direct_ramp",
-         "nccl_peer_arm", "raw_ipc", "ipc"] if ipc else ["nccl_ramp", "nccl_arm"])
+         "nccl_peer_arm", "nccl_peer_direct_ramp_arm", "raw_ipc", "ipc"] if ipc else ["nccl_ramp", "nccl_arm"])
     one = [(op, layout) for op in ops for layout in LAYOUTS
            if layout == "bucketed" or not ("_peer" in op or "_arm" in op or "_ramp" in op or op.startswith("pull_pack"))]
     return [one if r % 2 == 0 else one[::-1] for r in range(repeats + 1)]
@@ -382,7 +384,7 @@ def summarise(rows: list[dict], bench: Bench) -> dict:
                                      for k in sel[0] if k.endswith("_s") or k == "s"}
     ratios = {}
     for t in ("nccl", "ipc", "nccl_peer", "nccl_peer_direct", "nccl_peer_ramp", "nccl_peer_direct_ramp", "nccl_ramp",
-              "nccl_arm", "nccl_peer_arm"):
+              "nccl_arm", "nccl_peer_arm", "nccl_peer_direct_ramp_arm"):
         for layout in LAYOUTS:
             e2e, raw = med.get(f"{t}/{layout}"), med.get(f"raw_{t.split('_')[0]}/{layout}")
             if e2e is None or raw is None:
