@@ -393,6 +393,32 @@ def test_armed_sync_goes_on_the_signal_and_the_usual_way_when_it_is_not_the_arme
     assert daemon.client.health()["version"] == v + 5 and gap(daemon, model) <= TOL
 
 
+
+def test_armed_ramped_sync_goes_on_the_signal_and_another_ramp_stands_the_engines_down(lean_daemon, model_b):
+    """Ramped buckets (the tied embedding sent last, small first buckets) keep the armed path: the
+    reordered plan is the same list at ``arm`` and at ``sync``. A sync whose ramp differs from the
+    armed one has other buckets: the engines stand down and the sync goes the usual way."""
+    import dataclasses
+
+    model, daemon = causal_lm(model_b), lean_daemon
+    v = daemon.next_version()
+
+    def arrived():
+        assert list(daemon.client.weight_digest().values()) == [scenarios.hf_digest(checkpoint_state(model), True)]
+
+    with sender(model, daemon.client, bucket_bytes=64 << 10, arm=True, ramp=3) as s:
+        s.arm(v)
+        report = s.sync(v)
+        assert report.updated == ["e0"] and "signalled" in report.engine_seconds["e0"]
+        arrived()
+        with torch.no_grad():
+            model.model.norm.weight.add_(0.25)
+        s.arm(v + 1)
+        s.config = dataclasses.replace(s.config, ramp=1)  # other buckets than the armed header's
+        report = s.sync(v + 1)
+        assert report.updated == ["e0"] and "signalled" not in report.engine_seconds["e0"]
+        arrived()
+
 def test_name_mismatch_is_a_typed_error_and_the_sender_stays_usable(daemon, model_b):
     model, counting = causal_lm(model_b), CountingClient(daemon.client)
     v = daemon.next_version()
