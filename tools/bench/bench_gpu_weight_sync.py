@@ -273,7 +273,8 @@ class Bench:
         """``name``: the daemon, with ``_peer`` the same sender with peer reads on (rank 0 reads
         rank 1's partitions over CUDA IPC instead of NCCL gathers), with ``_arm`` armed first
         (``WeightSender.arm``), with ``_direct`` the peers' memory packed from directly
-        (``PeerReads.direct``), with ``_ramp`` ramped buckets (``SenderConfig.ramp = RAMP``). Every sync starts after ``--idle-ms`` of quiet (as after training)."""
+        (``PeerReads.direct``), with ``_ramp`` ramped buckets (``SenderConfig.ramp = RAMP``).
+        Every sync starts after ``--idle-ms`` of quiet (as after training)."""
         daemon, flags = name.split("_")[0], name.split("_")[1:]
         sender.config = dataclasses.replace(sender.config, bucket_bytes=self.bucket_bytes[layout],
                                             peer_reads="peer" in flags, arm="arm" in flags,
@@ -383,8 +384,8 @@ def summarise(rows: list[dict], bench: Bench) -> dict:
         med[f"{key[0]}/{key[1]}"] = {k: statistics.median(r[k] for r in sel if k in r)
                                      for k in sel[0] if k.endswith("_s") or k == "s"}
     ratios = {}
-    for t in ("nccl", "ipc", "nccl_peer", "nccl_peer_direct", "nccl_peer_ramp", "nccl_peer_direct_ramp", "nccl_ramp",
-              "nccl_arm", "nccl_peer_arm", "nccl_peer_direct_ramp_arm"):
+    syncs = sorted({r["op"] for r in rows if r["op"].split("_")[0] in ("nccl", "ipc")})  # every WeightSender.sync op
+    for t in syncs:
         for layout in LAYOUTS:
             e2e, raw = med.get(f"{t}/{layout}"), med.get(f"raw_{t.split('_')[0]}/{layout}")
             if e2e is None or raw is None:

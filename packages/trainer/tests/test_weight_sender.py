@@ -150,6 +150,11 @@ def checkpoint_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}
 
 
+def arrived(d: Daemon, model: torch.nn.Module) -> None:
+    """The daemon holds exactly the model's weights (its digest against the checkpoint's)."""
+    assert list(d.client.weight_digest().values()) == [scenarios.hf_digest(checkpoint_state(model), True)]
+
+
 def gap(d: Daemon, model: torch.nn.Module) -> float:
     got = d.client.prompt_logprobs(np.asarray(PROBE))
     return float(np.abs(got - scenarios.own_logprobs(model, PROBE)).max())
@@ -352,26 +357,23 @@ def test_armed_sync_goes_on_the_signal_and_the_usual_way_when_it_is_not_the_arme
     counting = CountingClient(daemon.client)
     v = daemon.next_version()
 
-    def arrived():
-        assert list(daemon.client.weight_digest().values()) == [scenarios.hf_digest(checkpoint_state(model), True)]
-
     with sender(model, counting, bucket_bytes=64 << 10, arm=True, canary_token_ids=CANARY) as s:
         s.arm(v)
         report = s.sync(v)
         assert report.updated == ["e0"] and "signalled" in report.engine_seconds["e0"]
-        arrived()
+        arrived(daemon, model)
         with torch.no_grad():
             model.model.norm.weight.add_(0.25)
         s.arm(v + 1)
         report = s.sync(v + 2)  # not the armed version: stood down, sent as usual
         assert report.updated == ["e0"] and "signalled" not in report.engine_seconds["e0"]
-        arrived()
+        arrived(daemon, model)
         s.arm(v + 3)
         s.arm(v + 3)  # the first arming stands down; the second is used
         with torch.no_grad():
             model.model.norm.weight.add_(0.25)
         assert "signalled" in s.sync(v + 3).engine_seconds["e0"]
-        arrived()
+        arrived(daemon, model)
         # The pool changes after arming: refused after the signal; the armed engine still gets every
         # bucket (a gloo receive cannot be interrupted), then the update is resent unarmed. Slowed
         # hand-overs: the refusal comes while the broadcast is still going.
@@ -403,21 +405,19 @@ def test_armed_ramped_sync_goes_on_the_signal_and_another_ramp_stands_the_engine
     model, daemon = causal_lm(model_b), lean_daemon
     v = daemon.next_version()
 
-    def arrived():
-        assert list(daemon.client.weight_digest().values()) == [scenarios.hf_digest(checkpoint_state(model), True)]
-
     with sender(model, daemon.client, bucket_bytes=64 << 10, arm=True, ramp=3) as s:
         s.arm(v)
         report = s.sync(v)
         assert report.updated == ["e0"] and "signalled" in report.engine_seconds["e0"]
-        arrived()
+        arrived(daemon, model)
         with torch.no_grad():
             model.model.norm.weight.add_(0.25)
         s.arm(v + 1)
         s.config = dataclasses.replace(s.config, ramp=1)  # other buckets than the armed header's
         report = s.sync(v + 1)
         assert report.updated == ["e0"] and "signalled" not in report.engine_seconds["e0"]
-        arrived()
+        arrived(daemon, model)
+
 
 def test_name_mismatch_is_a_typed_error_and_the_sender_stays_usable(daemon, model_b):
     model, counting = causal_lm(model_b), CountingClient(daemon.client)
