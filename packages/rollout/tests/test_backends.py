@@ -104,3 +104,38 @@ def test_hf_close_answers_every_in_flight_sample(models):
 
 async def _collect(engine, req):
     return [r async for r in engine.generate(req)]
+
+
+def test_hf_copies_packed_buckets_bytewise_and_a_parameter_of_another_dtype_by_value(models, tools):
+    """The hf engine's load of packed buckets (collective / cuda_ipc): byte copies into the
+    parameters' bytes, and a converting copy for a parameter that is not in the header's dtype."""
+    import torch
+
+    from treadle.common.records import WeightUpdate
+    from treadle.rollout.engine.hf_engine import HfEngine, HfEngineConfig
+    from treadle.rollout.engine.weights import bucket_ranges, pack_bucket, plan_buckets
+
+    want = tools.checkpoint(models["b"])
+    names = sorted(want)
+    tensors = [want[n].float() for n in names]
+    sizes = plan_buckets([t.numel() * 4 for t in tensors], 4096)
+    flats = [pack_bucket(tensors[lo:hi]) for lo, hi in bucket_ranges(sizes, len(names))]
+    update = WeightUpdate(version=1, names=names, dtypes=["float32"] * len(names),
+                          shapes=[list(t.shape) for t in tensors], transport="collective", bucket_sizes=sizes)
+    odd = next(n for n in names if n.endswith("norm.weight"))
+
+    async def scenario():
+        engine = HfEngine(HfEngineConfig(model=str(models["a"]), eos_token_ids=()))
+        await engine.start()
+        try:
+            params = dict(engine.model.named_parameters())
+            params[odd].data = params[odd].data.double()  # kept in another dtype than the header's
+            engine._named = None
+            engine._copy_flats(update, iter(flats))
+            return {n: params[n].detach().clone() for n in names}
+        finally:
+            await engine.close()
+
+    got = asyncio.run(scenario())
+    assert len(sizes) > 1 and got[odd].dtype == torch.float64
+    assert [n for n in names if not torch.equal(got[n].float(), want[n].float())] == []

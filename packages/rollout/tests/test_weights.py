@@ -25,6 +25,7 @@ from treadle.rollout.engine.weights import (
     WeightSpec,
     bucket_layout,
     bucket_ranges,
+    byte_splits,
     canary_error,
     model_eos_ids,
     pack_bucket,
@@ -32,6 +33,7 @@ from treadle.rollout.engine.weights import (
     send_order,
     spec_from_checkpoint,
     unpack_bucket,
+    word_views,
 )
 
 
@@ -84,6 +86,29 @@ def test_pack_then_unpack_is_bit_identical():
     flat = pack_bucket(tensors)
     _, views = unpack_bucket([str(t.dtype)[6:] for t in tensors], [list(t.shape) for t in tensors], flat=flat.clone())
     assert [(_bits(a), a.dtype, a.shape) for a in tensors] == [(_bits(b), b.dtype, b.shape) for b in views]
+
+
+def test_word_views_cut_a_bucket_into_each_tensors_bytes_as_the_widest_word_that_fits():
+    def check(tensors, flat, size):
+        dtypes, shapes = [str(t.dtype)[6:] for t in tensors], [list(t.shape) for t in tensors]
+        got, views = word_views(flat, dtypes, shapes)
+        assert got == size and {v.element_size() for v in views} == {size}
+        assert [v.view(torch.uint8).tolist() for v in views] == [_bits(t) for t in tensors]
+        assert all(v.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr() for v in views)  # no copy
+
+    mixed = _mixed()  # a 3-byte bool tensor: single bytes
+    check(mixed, pack_bucket(mixed), 1)
+    g = torch.Generator().manual_seed(1)
+    even = [torch.randn(4, 6, generator=g).bfloat16(), torch.randn(2, generator=g), torch.randn(8, generator=g).half()]
+    check(even, pack_bucket(even), 8)
+    check(even[1:], pack_bucket(even[1:]), 8)
+    at4 = torch.empty(pack_bucket(even).numel() + 4, dtype=torch.uint8)[4:]  # a buffer at an offset of 4 bytes
+    at4.copy_(pack_bucket(even))
+    check(even, at4, 4)
+    dtypes, shapes = [str(t.dtype)[6:] for t in even], [list(t.shape) for t in even]
+    assert sum(byte_splits(dtypes, shapes)) == pack_bucket(even).numel()
+    with pytest.raises(WeightMismatch, match=r"uint8\[\d+\], layout needs uint8\[\d+\]"):
+        word_views(torch.cat([pack_bucket(even)] * 2), dtypes, shapes)
 
 
 def _joined_pair(port: int) -> tuple[WeightGroup, WeightGroup]:

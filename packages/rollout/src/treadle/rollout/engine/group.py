@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 from treadle.common.errors import BadRequest
-from treadle.rollout.engine.weights import bucket_ranges, pack_bucket, unpack_bucket
+from treadle.rollout.engine.weights import bucket_layout, bucket_ranges, pack_bucket, unpack_bucket
 
 if TYPE_CHECKING:
     import torch
@@ -231,8 +231,20 @@ def receive_bucket_lists(group: WeightGroup, names: Sequence[str], dtypes: Seque
                          ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """``receive_buckets`` a bucket at a time: one list of ``(name, tensor)`` per broadcast (for
     loaders that copy a bucket's tensors together), the next one received when asked for."""
-    for lo, hi in bucket_ranges(bucket_sizes, len(names)):
-        flat, parts = unpack_bucket(dtypes[lo:hi], shapes[lo:hi], device=device)
-        group.broadcast(flat, src=0)
+    flats = receive_flats(group, dtypes, shapes, bucket_sizes, device)
+    for (lo, hi), flat in zip(bucket_ranges(bucket_sizes, len(names)), flats, strict=True):
+        _, parts = unpack_bucket(dtypes[lo:hi], shapes[lo:hi], flat=flat)
         yield [(name, t) for name, t in zip(names[lo:hi], parts, strict=True) if name not in skip]
-        del flat  # the parts keep the storage alive as long as the consumer holds them
+        del flat, parts  # the consumer's views keep the storage alive as long as it holds them
+
+
+def receive_flats(group: WeightGroup, dtypes: Sequence[str], shapes: Sequence[Sequence[int]],
+                  bucket_sizes: Sequence[int], device: str = "cpu") -> Iterator[torch.Tensor]:
+    """Receiver side: each bucket as it arrives, a fresh flat uint8 buffer (``bucket_layout``)
+    each; the next one is received when asked for."""
+    import torch
+
+    for lo, hi in bucket_ranges(bucket_sizes, len(dtypes)):
+        flat = torch.empty(bucket_layout(dtypes[lo:hi], shapes[lo:hi])[1], dtype=torch.uint8, device=device)
+        group.broadcast(flat, src=0)
+        yield flat

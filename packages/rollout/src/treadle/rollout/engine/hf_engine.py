@@ -21,7 +21,7 @@ import collections
 import concurrent.futures
 import hashlib
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -31,7 +31,7 @@ import torch
 from treadle.common.log import get_logger
 from treadle.common.records import FinishReason, GenerateRequest, GenerateResult, WeightUpdate
 from treadle.rollout.engine.base import Engine
-from treadle.rollout.engine.group import GroupSpec, WeightGroup, receive_bucket_lists
+from treadle.rollout.engine.group import GroupSpec, WeightGroup, receive_flats
 from treadle.rollout.engine.sampling import GREEDY_EPS, mask_stop_tokens, processed_logprobs, sample
 from treadle.rollout.engine.state import SleepState
 from treadle.rollout.engine.weights import (
@@ -41,7 +41,8 @@ from treadle.rollout.engine.weights import (
     bucket_ranges,
     model_eos_ids,
     spec_from_checkpoint,
-    unpack_bucket,
+    word_dtype,
+    word_views,
 )
 
 log = get_logger(__name__)
@@ -129,7 +130,7 @@ class HfEngine(Engine):
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
         self._wgroup: WeightGroup | None = None
-        self._named: tuple[Any, dict[str, Any]] | None = None  # (model, its tensors by name): ``_targets``
+        self._named: tuple[Any, dict[str, Any], dict[str, Any]] | None = None  # ``_targets``
         self._eos: tuple[int, ...] = ()
         self._fallback = torch.Generator(device=self.device).manual_seed(config.seed)
         self.model: Any = None
@@ -336,12 +337,40 @@ class HfEngine(Engine):
             if pairs:
                 torch._foreach_copy_([d for d, _ in pairs], [t for _, t in pairs])
 
+    @torch.inference_mode()
+    def _copy_flats(self, update: WeightUpdate, flats: Iterable[torch.Tensor]) -> None:
+        """Copy ``update``'s packed buckets (flat uint8 ``bucket_layout`` buffers; may be lazy:
+        buckets still arriving) into the model: each bucket is cut into its tensors' bytes by one
+        split (``word_views``, as 8-byte words where the sizes allow) and copied into the
+        parameters' bytes, seen as the same words, by one multi-tensor copy. A parameter of
+        another dtype than the header's, or whose bytes cannot be seen as those words (not
+        expected: the header was checked against the engine's), is copied through a typed view."""
+        targets, words = self._targets(), self._named[2]
+        skip = self.weight_spec.skip
+        for (lo, hi), flat in zip(bucket_ranges(update.bucket_sizes, len(update.names)), flats, strict=True):
+            size, pieces = word_views(flat, update.dtypes[lo:hi], update.shapes[lo:hi])
+            dst, src = [], []
+            for name, dtype, piece in zip(update.names[lo:hi], update.dtypes[lo:hi], pieces, strict=True):
+                if name in skip:
+                    continue
+                key = (name, dtype, size)
+                if key not in words:
+                    words[key] = _as_words(targets[name], dtype, size)
+                if words[key] is None:
+                    targets[name].copy_(piece.view(torch.uint8).view(getattr(torch, dtype)).view(targets[name].shape))
+                else:
+                    dst.append(words[key])
+                    src.append(piece)
+            if dst:
+                torch._foreach_copy_(dst, src)
+
     def _targets(self) -> dict[str, torch.Tensor]:
         """The model's parameters and buffers by name, listed once (a walk of the module tree
         costs a few ms on a 1.5B model, ahead of the first bucket's receive); the same objects
-        for the model's life (``to()`` and in-place loads keep them)."""
+        for the model's life (``to()`` and in-place loads keep them). ``_named[2]`` keeps their
+        word views for ``_copy_flats``, made at first use, for as long."""
         if self._named is None or self._named[0] is not self.model:
-            self._named = (self.model, dict(self.model.named_parameters()) | dict(self.model.named_buffers()))
+            self._named = (self.model, dict(self.model.named_parameters()) | dict(self.model.named_buffers()), {})
         return self._named[1]
 
     async def _load(self, update: WeightUpdate, tensors: list[Any]) -> None:
@@ -366,16 +395,9 @@ class HfEngine(Engine):
         from treadle.rollout.engine.ipc import open_handles
 
         flats: list[torch.Tensor] = []
-        ranges = bucket_ranges(update.bucket_sizes, len(update.names))
-
-        def buckets() -> Any:
-            for (lo, hi), flat in zip(ranges, flats, strict=True):
-                _, views = unpack_bucket(update.dtypes[lo:hi], update.shapes[lo:hi], flat=flat)
-                yield list(zip(update.names[lo:hi], views, strict=True))
-
         try:
             flats.extend(open_handles(update.ipc_handles, self.device))
-            self._copy_in(buckets())
+            self._copy_flats(update, flats)
         finally:
             # The copies run asynchronously: they must have read the sender's memory before it is
             # unmapped (the last reference dropped) and before we answer (the sender reuses it).
@@ -389,13 +411,12 @@ class HfEngine(Engine):
         # Its own thread: joining blocks until every member joined; generation keeps going.
         self._wgroup = await asyncio.to_thread(WeightGroup, spec)
 
-    def _buckets(self, update: WeightUpdate) -> Any:
+    def _buckets(self, update: WeightUpdate) -> Iterator[torch.Tensor]:
         assert self._wgroup is not None
-        return receive_bucket_lists(self._wgroup, update.names, update.dtypes, update.shapes,
-                                    update.bucket_sizes, device=str(self.device))
+        return receive_flats(self._wgroup, update.dtypes, update.shapes, update.bucket_sizes, device=str(self.device))
 
     async def _receive(self, update: WeightUpdate) -> None:
-        await self._call(self._copy_in, self._buckets(update))
+        await self._call(self._copy_flats, update, self._buckets(update))
 
     def _arm(self, update: WeightUpdate, timeout_s: float, stamps: dict[str, float]) -> asyncio.Future[bool]:
         group = self._wgroup
@@ -405,7 +426,7 @@ class HfEngine(Engine):
             if not group.wait_signal(update.version, timeout_s):
                 return False
             stamps["signalled"] = stamps["loading"] = time.time()
-            self._copy_in(self._buckets(update))
+            self._copy_flats(update, self._buckets(update))
             return True
 
         return asyncio.get_running_loop().run_in_executor(self._pool, wait_then_receive)
@@ -453,3 +474,14 @@ class HfEngine(Engine):
 
     def _load_counts(self) -> tuple[int, int]:
         return len(self._running), sum(r.req.sampling.n for r in self._queue)
+
+
+def _as_words(t: torch.Tensor, dtype: str, size: int) -> torch.Tensor | None:
+    """``t``'s bytes as a 1-d view of ``size``-byte words, when ``t`` is contiguous, of ``dtype``
+    and its bytes can be seen so; else None."""
+    if str(t.dtype).removeprefix("torch.") != dtype or not t.is_contiguous():
+        return None
+    try:
+        return t.detach().view(-1).view(torch.uint8).view(word_dtype(size))
+    except RuntimeError:  # its size or offset is not a multiple of the word
+        return None

@@ -238,6 +238,45 @@ def _views(flat: torch.Tensor, dtypes: Sequence[str], shapes: Sequence[Sequence[
             for d, s, o in zip(dtypes, shapes, offsets, strict=True)]
 
 
+def byte_splits(dtypes: Sequence[str], shapes: Sequence[Sequence[int]]) -> list[int]:
+    """Split sizes that cut a bucket (``bucket_layout``) into its pieces: the gap before tensor 0
+    (0), tensor 0's bytes, the alignment gap after it, tensor 1's bytes, ..., the tail; tensor i
+    is piece ``2 * i + 1``."""
+    offsets, total = bucket_layout(dtypes, shapes)
+    out, end = [], 0
+    for dtype, shape, offset in zip(dtypes, shapes, offsets, strict=True):
+        n = tensor_nbytes(dtype, shape)
+        out += [offset - end, n]
+        end = offset + n
+    out.append(total - end)
+    return out
+
+
+def word_views(flat: torch.Tensor, dtypes: Sequence[str],
+               shapes: Sequence[Sequence[int]]) -> tuple[int, list[torch.Tensor]]:
+    """``(size, views)``: each tensor's bytes in the bucket ``flat`` (uint8, ``bucket_layout``) as
+    a 1-d view of integer words of ``size`` bytes, the widest of 8, 4, 2, 1 that divides every
+    piece (``byte_splits``) and the buffer's offset; from one ``split`` call. For loaders that
+    copy a bucket's bytes into their tensors' bytes (the same dtypes): ``unpack_bucket``'s typed,
+    shaped views cost three view calls a tensor, which on an H200 took longer (1.9 ms for a 1.5B
+    model's 338 tensors) than copying the bytes (1.5 ms); and a multi-tensor copy of 8-byte words
+    ran faster there than of 2-byte bf16 elements or single bytes (2.0 / 2.3 / 3.4 ms)."""
+    import torch
+
+    splits = byte_splits(dtypes, shapes)
+    if flat.dtype != torch.uint8 or flat.dim() != 1 or flat.numel() != sum(splits):
+        raise WeightMismatch(f"bucket buffer is {flat.dtype}{list(flat.shape)}, layout needs uint8[{sum(splits)}]")
+    size = next(w for w in (8, 4, 2, 1) if flat.storage_offset() % w == 0 and all(n % w == 0 for n in splits))
+    return size, list(flat.view(word_dtype(size)).split([n // size for n in splits])[1::2])
+
+
+def word_dtype(size: int) -> torch.dtype:
+    """torch's integer dtype of words of ``size`` bytes (8, 4, 2 or 1)."""
+    import torch
+
+    return {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[size]
+
+
 def pack_bucket(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """One flat ``uint8`` buffer holding ``tensors`` at ``bucket_layout`` offsets (a copy)."""
     import torch

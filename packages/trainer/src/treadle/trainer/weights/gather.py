@@ -559,7 +559,9 @@ def packed(items: Sequence[Item], sizes: Sequence[int], dest: Callable[[int, int
     such bucket's gather is started before this one's scatter, so the two overlap (issued in
     the other order, each gather waited in stream order for the previous scatter: on 2xH200
     gather + scatter took ~16 ms against ~6-7 ms for the gathers alone; with the overlap 6.8 ms
-    against 5.4 ms in its first run there). Other buckets (LoRA merges, 4-bit weights, mixed groups) are gathered
+    against 5.4 ms in its first run there). A direct bucket of a 1-rank group is packed from
+    the partitions as they are, which are the whole tensors (no gather: a 1-rank gather is a copy
+    of its own, which doubled the time of a 1-GPU cuda_ipc sync's packing). Other buckets (LoRA merges, 4-bit weights, mixed groups) are gathered
     with ``gathered`` and ``pack``ed.
 
     ``peers``: a ``PeerReads`` that ``prepare_pulls`` readied for these buckets on every rank
@@ -609,10 +611,16 @@ def packed(items: Sequence[Item], sizes: Sequence[int], dest: Callable[[int, int
         if peers is not None:
             yield lo, hi, fill(lo, hi, functools.partial(_pulled, bucket, b.params, peers, kept))
             continue
+        if b.world == 1:  # one rank: its partitions are the whole tensors, nothing to gather
+            own = [[p.ds_tensor for p in b.params]]
+            where = ("own", tuple(t.data_ptr() for t in own[0]))
+            yield lo, hi, fill(lo, hi, functools.partial(_scatter, bucket, own, kept, where=where))
+            continue
         grid, work = ahead[1:] if ahead is not None and ahead[0] == k else gather(b)
         # Start the next bucket's gather before this one is scattered: the scatter then runs while
         # that gather is on the wire (in stream order the scatter would otherwise come first).
-        ahead = (k + 1, *gather(fast(k + 1))) if k + 1 < len(ranges) and fast(k + 1).group is not None else None
+        later = fast(k + 1) if k + 1 < len(ranges) else None
+        ahead = (k + 1, *gather(later)) if later is not None and later.group is not None and later.world > 1 else None
         work.wait()
         yield lo, hi, fill(lo, hi, functools.partial(_scatter, bucket, grid, kept))
         del grid, work
