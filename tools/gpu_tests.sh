@@ -39,7 +39,7 @@ export PYTHONPATH=$SRC:$SITE:$SITE/nvidia_cutlass_dsl/dsl_packages${PYTHONPATH:+
 # NVLink multicast stays off on shared hosts; tool caches stay out of the home folder.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 HF_HUB_OFFLINE=1 \
   TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-/tmp/treadle_torch_ext} TOKENIZERS_PARALLELISM=false OMP_NUM_THREADS=4
-# TREADLE_GPU_BENCH=sync|trainer runs issue 10's benchmarks instead of the tests (each fits one
+# TREADLE_GPU_BENCH=sync|ipc1|trainer runs issue 10's benchmarks instead of the tests (each fits one
 # device call), writing into TREADLE_GPU_OUT (default: the device's $OUT, else bench_out/):
 #   sync: the weight-sync bench on 2 GPUs, after 50 ms idle (as after training) and back to back;
 #   trainer: the 1.35B SFT / PPO steps on every GPU, defaults / tuned / tuned_fa2, then defaults
@@ -55,6 +55,15 @@ case "${TREADLE_GPU_BENCH:-}" in
         "$dest/weight_sync_idle$idle.log" | tail -30 || true
     done
     exit 0 ;;
+  ipc1)
+    # one GPU: the cuda_ipc sync from a 1-rank ZeRO-3 trainer against a raw IPC copy (nothing
+    # crosses NVLink); TREADLE_GPU_BENCH_ARGS adds flags (--profile DIR, --host-profile DIR, ...)
+    mkdir -p "$dest"
+    rc=0; timeout 400 python3 -m torch.distributed.run --standalone --nproc_per_node 1 tools/bench/bench_gpu_weight_sync.py \
+      --repeats 7 --json "$dest/weight_sync_1gpu.json" ${TREADLE_GPU_BENCH_ARGS:-} > "$dest/weight_sync_1gpu.log" 2>&1 || rc=$?
+    echo "weight sync, 1 GPU: rc=$rc"; grep -E "^(correctness|[a-z_]+/|[a-z_]+ +[0-9]|[a-z_]+: end-to-end)" \
+      "$dest/weight_sync_1gpu.log" | tail -30 || true
+    exit $rc ;;
   trainer)
     mkdir -p "$dest"
     gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
@@ -66,7 +75,7 @@ case "${TREADLE_GPU_BENCH:-}" in
       --sweep 1.35b:defaults:24 --json "$dest/trainer_varied.json" --log "$dest/trainer_varied.log" || rc=$?
     exit $rc ;;
   "") ;;
-  *) echo "TREADLE_GPU_BENCH must be sync or trainer, got ${TREADLE_GPU_BENCH}" >&2; exit 2 ;;
+  *) echo "TREADLE_GPU_BENCH must be sync, ipc1 or trainer, got ${TREADLE_GPU_BENCH}" >&2; exit 2 ;;
 esac
 exec python3 -m pytest -q -m gpu -p no:cacheprovider -p no:randomly \
   packages/trainer/tests/test_gpu.py packages/trainer/tests/test_gpu_weights.py packages/trainer/tests/test_ring.py \

@@ -29,6 +29,10 @@ trainer model from the same config (seed 1), wrapped in a ZeRO-3 DeepSpeed engin
    and ``pull_pack`` / ``pull_pack_direct`` (those reads + packing alone), bucketed. The raw
    transfers and ``gather*`` / ``pull_pack*`` use full buckets in the model's order.
 
+With ``--nproc_per_node 1`` on one GPU (a 1-rank trainer: nothing crosses NVLink) it runs the
+cuda_ipc path alone: the "ipc" daemon and raw receiver on GPU 0, the gathers, ``raw_ipc`` and
+``ipc``.
+
 Medians are reported with the ratios the issue sets goals for (NCCL path <= 1.3x raw NCCL, IPC
 path <= 1.5x raw IPC) and the same ratios for the transfer part alone (``send_s``: rank 0's
 broadcasts, or the cuda_ipc request until the daemon answered). ``--cpu`` is a dry run on CPU
@@ -326,12 +330,16 @@ class Bench:
         return {"s": time.perf_counter() - start}
 
 
-def schedule(repeats: int, ipc: bool) -> list[list[tuple[str, str]]]:
+def schedule(repeats: int, ipc: bool, nccl: bool = True) -> list[list[tuple[str, str]]]:
     """Rounds of (op, layout); round 0 is the warm-up; every other round runs reversed. The
-    ``_peer``, ``_arm`` and ``_ramp`` syncs and ``pull_pack*`` run bucketed only."""
-    ops = ["raw_nccl", "gather_all", "gather", "gather_pack", "nccl"] + (
-        ["pull_pack", "pull_pack_direct", "nccl_peer", "nccl_peer_direct", "nccl_peer_ramp", "nccl_peer_direct_ramp",
-         "nccl_peer_arm", "nccl_peer_direct_ramp_arm", "raw_ipc", "ipc"] if ipc else ["nccl_ramp", "nccl_arm"])
+    ``_peer``, ``_arm`` and ``_ramp`` syncs and ``pull_pack*`` run bucketed only. Without
+    ``nccl`` (a 1-rank trainer on one GPU): the gathers, raw IPC and the cuda_ipc sync alone."""
+    if not nccl:
+        ops = ["gather_all", "gather", "gather_pack", "raw_ipc", "ipc"]
+    else:
+        ops = ["raw_nccl", "gather_all", "gather", "gather_pack", "nccl"] + (
+            ["pull_pack", "pull_pack_direct", "nccl_peer", "nccl_peer_direct", "nccl_peer_ramp", "nccl_peer_direct_ramp",
+             "nccl_peer_arm", "nccl_peer_direct_ramp_arm", "raw_ipc", "ipc"] if ipc else ["nccl_ramp", "nccl_arm"])
     one = [(op, layout) for op in ops for layout in LAYOUTS
            if layout == "bucketed" or not ("_peer" in op or "_arm" in op or "_ramp" in op or op.startswith("pull_pack"))]
     return [one if r % 2 == 0 else one[::-1] for r in range(repeats + 1)]
@@ -401,7 +409,7 @@ def summarise(rows: list[dict], bench: Bench) -> dict:
 
 def timing(bench: Bench, senders: dict, group, store, src: dict) -> list[dict]:  # noqa: ANN001
     rows = []
-    for r, ops in enumerate(schedule(bench.a.repeats, "ipc" in senders)):
+    for r, ops in enumerate(schedule(bench.a.repeats, "ipc" in senders, "nccl" in senders)):
         for op, layout in ops:
             if op == "raw_nccl":
                 res = bench.raw_nccl(layout, group, store, src)
@@ -454,7 +462,7 @@ def host_profile(bench: Bench, senders: dict, src: dict, folder: Path, rounds: i
 
     folder.mkdir(parents=True, exist_ok=True)
     for op in HOST_OPS:
-        if op in ("pull_pack", "nccl_peer") and bench.peers is None or op == "ipc" and "ipc" not in senders:
+        if op in ("pull_pack", "nccl_peer") and bench.peers is None or op in ("nccl", "ipc") and op not in senders:
             continue
         prof = cProfile.Profile()
         for _ in range(rounds):
@@ -483,6 +491,8 @@ def run(a: argparse.Namespace) -> dict | None:
 
     info = init_distributed()
     main, device, gpu = info.is_main, info.device, info.device.type == "cuda"
+    nccl = not gpu or info.world > 1  # one rank on one GPU: the cuda_ipc path alone (no GPU to receive over NCCL)
+    raws = [k for k in ("nccl", "ipc") if (k == "nccl" and nccl) or (k == "ipc" and gpu)]
     shape = dict(SHAPE_TINY if a.cpu else SHAPE_1P5B, **({"vocab_size": a.vocab} if a.vocab else {}),
                  **({"num_hidden_layers": a.layers} if a.layers else {}))
     procs, clients, senders, store, group, started = [], {}, {}, None, None, time.perf_counter()
@@ -492,12 +502,15 @@ def run(a: argparse.Namespace) -> dict | None:
             ctl_port, group_port = free_port(), free_port()
             store = dist.TCPStore("127.0.0.1", ctl_port, is_master=True, wait_for_workers=False,
                                   timeout=datetime.timedelta(seconds=900))
-            daemons = {"nccl": start_daemon(Path(a.workdir) / "model", 1 if gpu else None, "16,17,18,19" if gpu else "1")}
+            daemons = {}
+            if nccl:
+                daemons["nccl"] = start_daemon(Path(a.workdir) / "model", 1 if gpu else None, "16,17,18,19" if gpu else "1")
             if gpu:
                 daemons["ipc"] = start_daemon(Path(a.workdir) / "model", 0, "20,21,22,23")
             procs += [p for p, _ in daemons.values()]
-            for kind, g in (("nccl", 1), ("ipc", 0))[:2 if gpu else 1]:
-                procs.append(spawn([sys.executable, __file__, "--raw", kind, "--ctl-port", str(ctl_port)], g if gpu else None))
+            for kind in raws:
+                procs.append(spawn([sys.executable, __file__, "--raw", kind, "--ctl-port", str(ctl_port)],
+                                   {"nccl": 1, "ipc": 0}[kind] if gpu else None))
         cfg, engine = build_trainer(shape, device, seed=1)
         bench = Bench(a, engine, cfg, main, device)
         backend = "nccl" if gpu else "gloo"
@@ -505,21 +518,25 @@ def run(a: argparse.Namespace) -> dict | None:
             for name, (_, endpoint) in daemons.items():
                 clients[name] = SyncRolloutClient(endpoint)
                 clients[name].wait_ready(600)
-            seq = [layout for rnd in schedule(a.repeats, gpu) for op, layout in rnd]
-            ops = [op for rnd in schedule(a.repeats, gpu) for op, _ in rnd]
+            seq = [layout for rnd in schedule(a.repeats, gpu, nccl) for op, layout in rnd]
+            ops = [op for rnd in schedule(a.repeats, gpu, nccl) for op, _ in rnd]
             store.set("plan", json.dumps({"backend": backend, "group_port": group_port, "layouts": bench.layout_bytes,
                                           "nccl": [s for s, o in zip(seq, ops, strict=True) if o == "raw_nccl"],
                                           "ipc": [s for s, o in zip(seq, ops, strict=True) if o == "raw_ipc"]}))
-            group = WeightGroup(GroupSpec(host="127.0.0.1", port=group_port, world_size=2, rank=0, backend=backend))
+            if nccl:
+                group = WeightGroup(GroupSpec(host="127.0.0.1", port=group_port, world_size=2, rank=0,
+                                              backend=backend))
         ready_s = time.perf_counter() - started
         bucket = int(a.bucket_mb * (1 << 20))
-        senders["nccl"] = WeightSender(engine, config=SenderConfig(backend=backend, bucket_bytes=bucket, dtype="bfloat16"),
-                                       client=clients.get("nccl"), zero_stage=3, is_main=main)
+        if nccl:
+            senders["nccl"] = WeightSender(engine, config=SenderConfig(backend=backend, bucket_bytes=bucket,
+                                                                       dtype="bfloat16"),
+                                           client=clients.get("nccl"), zero_stage=3, is_main=main)
         if gpu:
             senders["ipc"] = WeightSender(engine, config=SenderConfig(transport="cuda_ipc", bucket_bytes=bucket,
                                                                       dtype="bfloat16"),
                                           client=clients.get("ipc"), zero_stage=3, is_main=main)
-            bench.peers = PeerReads(outcome_group())
+            bench.peers = PeerReads(outcome_group()) if info.world > 1 else None
         checks = correctness(bench, {k: senders[k] for k in ("nccl", "ipc") if k in senders}, clients if main else {})
         src = {k: torch.empty(sum(v), dtype=torch.uint8, device=device) if main else None
                for k, v in bench.layout_bytes.items()}
@@ -540,7 +557,7 @@ def run(a: argparse.Namespace) -> dict | None:
             s.close()
         for c in clients.values():
             c.close()
-        for p in procs[len(procs) - (2 if gpu else 1):]:  # the raw receivers end by themselves
+        for p in procs[len(procs) - len(raws):]:  # the raw receivers end by themselves
             with contextlib.suppress(subprocess.TimeoutExpired):
                 p.wait(30)
         for p in procs:
