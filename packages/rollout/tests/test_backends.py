@@ -106,9 +106,9 @@ async def _collect(engine, req):
     return [r async for r in engine.generate(req)]
 
 
-def test_hf_copies_packed_buckets_bytewise_and_a_parameter_of_another_dtype_by_value(models, tools):
-    """The hf engine's load of packed buckets (collective / cuda_ipc): byte copies into the
-    parameters' bytes, and a converting copy for a parameter that is not in the header's dtype."""
+def test_hf_copies_packed_buckets_as_words_and_a_parameter_of_another_dtype_by_value(models, tools):
+    """The hf engine's load of packed buckets (collective / cuda_ipc): copies of their bytes into the
+    parameters' bytes (as words), and a converting copy for a parameter not in the header's dtype."""
     import torch
 
     from treadle.common.records import WeightUpdate
