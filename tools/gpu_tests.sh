@@ -11,7 +11,8 @@
 # Runs: the trainer's packed-attention equality per kernel, the ring's cuda_flash tiles against its
 # math tiles, ZeRO-3 -> HF daemon weight sync over
 # NCCL and CUDA IPC (bit-identical; NCCL gathers and peer reads; two senders taking turns on one
-# daemon), ring attention equality over NCCL, the engine's NCCL receive.
+# daemon), ring attention equality over NCCL, the engine's NCCL receive, and PPO with an hf engine
+# on the trainer's GPU (weights over CUDA IPC and over gloo; one GPU is enough for these).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # `tools/gpu_wheels.sh DIR --fa4` adds FlashAttention-4: pass DIR/fa4 and DIR_big too (a zip is
@@ -33,7 +34,7 @@ for dir in "$@"; do
   done
 done
 [ -n "${TREADLE_GPU_UNPACK_ONLY:-}" ] && exit 0
-SRC=$PWD/packages/common/src:$PWD/packages/rollout/src:$PWD/packages/rewards/src:$PWD/packages/trainer/src:$PWD/tools/testing
+SRC=$PWD/packages/common/src:$PWD/packages/rollout/src:$PWD/packages/rewards/src:$PWD/packages/trainer/src:$PWD/packages/agents/src:$PWD/tools/testing
 # the CUTLASS DSL's .pth (which --target does not run) puts its dsl_packages on the path
 export PYTHONPATH=$SRC:$SITE:$SITE/nvidia_cutlass_dsl/dsl_packages${PYTHONPATH:+:$PYTHONPATH}
 # NVLink multicast stays off on shared hosts; tool caches stay out of the home folder.
@@ -79,4 +80,4 @@ case "${TREADLE_GPU_BENCH:-}" in
 esac
 exec python3 -m pytest -q -m gpu -p no:cacheprovider -p no:randomly \
   packages/trainer/tests/test_gpu.py packages/trainer/tests/test_gpu_weights.py packages/trainer/tests/test_ring.py \
-  packages/rollout/tests/test_gpu.py ${TREADLE_GPU_PYTEST_ARGS:-}
+  packages/trainer/tests/test_ppo.py packages/rollout/tests/test_gpu.py ${TREADLE_GPU_PYTEST_ARGS:-}

@@ -5,8 +5,9 @@
 #     bash tools/gpu_wheels.sh DIR [--fa4]
 #
 # The GPU machine (Python 3.12, torch 2.11 CUDA 13, transformers, numpy, msgpack, pyyaml, psutil,
-# ninja, peft, ...) lacks treadle-common's msgspec, pyzmq and tyro, and DeepSpeed with its
-# pure-Python needs. Versions are those of this checkout's .venv (`make venv`), so both machines
+# ninja, peft, pandas, pyarrow, ...) lacks treadle-common's msgspec, pyzmq and tyro, DeepSpeed with
+# its pure-Python needs, and datasets (the trainers' data files) with its own. Versions are those
+# of this checkout's .venv (`make venv`), so both machines
 # run the same code; DeepSpeed is built here as a pure-Python wheel (its CUDA ops JIT-build there).
 #
 # --fa4: also FlashAttention-4 (flash-attn-4, treadle_varlen's fastest kernel on Hopper) and the
@@ -32,7 +33,7 @@ fetch() {  # DEST REQUIREMENT...
 }
 # shellcheck disable=SC2046 # one word per requirement
 fetch "$DIR" $(pinned msgspec pyzmq tyro docstring-parser typeguard typing-extensions hjson pydantic \
-  pydantic-core annotated-types typing-inspection py-cpuinfo einops)
+  pydantic-core annotated-types typing-inspection py-cpuinfo einops datasets dill multiprocess xxhash fsspec)
 ls "$DIR"/deepspeed-*.whl >/dev/null 2>&1 ||
   DS_BUILD_OPS=0 "$PY" -m pip wheel -q --no-deps --no-build-isolation -w "$DIR" "$(pinned deepspeed)"
 if [ "${2:-}" = "--fa4" ]; then

@@ -539,3 +539,32 @@ def test_sync_peer_reads_flag_reaches_the_weight_sender(flags, want):
                             dist=SimpleNamespace(is_main=True))
     with sender(parts) as s:
         assert s.config.peer_reads is want
+
+
+def test_the_weight_sync_goes_where_it_can_work():
+    """The seed's colocated command asks for NCCL, which cannot hold the trainer's rank 0 and an
+    engine on its GPU in one group: gloo there, saying why; cuda_ipc needs CUDA and no arming."""
+    from treadle.trainer.trainers.ppo_build import sync_route
+
+    def with_backend(backend, *extra, colocated=True):
+        argv = ppo_argv()
+        argv[argv.index("--vllm.sync_backend") + 1] = backend
+        if not colocated:
+            argv.remove("--train.colocate_all")
+            argv[argv.index("--vllm.num_engines") + 1] = "1"
+            for flag in ("--vllm.enable_sleep", "--ds.enable_sleep"):
+                argv.remove(flag)
+        return parse_ppo([*argv, *extra])
+
+    seed = parse_ppo(ppo_argv())
+    assert seed.train.colocate_all and seed.vllm.sync_backend == "nccl"
+    transport, backend, why = sync_route(seed, cuda=True)
+    assert (transport, backend) == ("collective", "gloo") and "--train.colocate_all" in why
+    assert sync_route(seed, cuda=False) == ("collective", "gloo", "")
+    assert sync_route(with_backend("nccl", colocated=False), cuda=True) == ("collective", "nccl", "")
+    assert sync_route(with_backend("gloo"), cuda=True) == ("collective", "gloo", "")
+    assert sync_route(with_backend("cuda_ipc"), cuda=True) == ("cuda_ipc", "nccl", "")
+    with pytest.raises(ConfigError, match="cuda_ipc shares GPU memory: it needs CUDA"):
+        sync_route(with_backend("cuda_ipc"), cuda=False)
+    with pytest.raises(ConfigError, match="not with --vllm.sync_backend cuda_ipc"):
+        sync_route(with_backend("cuda_ipc", "--vllm.sync_arm", colocated=False), cuda=True)

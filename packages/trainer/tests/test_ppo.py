@@ -13,6 +13,7 @@ the response, which a randomly initialised model already hits now and then, so G
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -22,6 +23,7 @@ import time
 from pathlib import Path
 
 import pytest
+from treadle_testing import free_port
 
 REWARD = '''
 import torch
@@ -49,15 +51,17 @@ def task(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def daemon(tiny, helpers):
-    import socket
+    with serving(tiny, helpers, "--backend", "vllm") as endpoint:
+        yield endpoint
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    endpoint = f"tcp://127.0.0.1:{port}"
+
+@contextlib.contextmanager
+def serving(tiny: Path, helpers, *flags: str):
+    """A one-engine ``treadle-rollout serve`` of the tiny model (fp32) with ``flags``, ready; its endpoint."""
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
     proc = subprocess.Popen([sys.executable, "-m", "treadle.rollout", "serve", "--model", str(tiny), "--engines", "1",
-                             "--backend", "vllm", "--endpoint", endpoint, "--engine.dtype", "float32",
-                             "--engine.max_model_len", "256", "--no_cpu_bind"],
+                             "--endpoint", endpoint, "--engine.dtype", "float32", "--engine.max_model_len", "256",
+                             "--no_cpu_bind", *flags],
                             env=helpers.child_env(), start_new_session=True, stdin=subprocess.DEVNULL)
     from treadle.rollout.client import SyncRolloutClient
 
@@ -239,3 +243,23 @@ def test_two_ranks_zero3_data_parallel_and_ring(tiny, task, daemon, helpers, tmp
     assert dp["reward/mean"] == ring["reward/mean"]
     for key in ("actor/policy_loss", "actor/grad_norm", "entropy"):
         assert abs(dp[key] - ring[key]) <= 1e-4 * max(1.0, abs(dp[key])), (key, dp[key], ring[key])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sync", ["cuda_ipc", "gloo"])
+def test_ppo_on_one_gpu_with_an_hf_engine_on_that_gpu(sync, tiny, task, helpers, tmp_path):
+    """On the GPU machine: the trainer (ZeRO-3, one rank) and an hf engine share GPU 0, so the
+    weights cannot go over NCCL (it refuses two processes of one GPU in a group); each step's
+    new weights reach the engine over CUDA IPC or over gloo, and the engine samples from them."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    with serving(tiny, helpers, "--backend", "hf", "--engine.device", "cuda", "--gpu_ids", "0") as endpoint:
+        run_ppo(ppo_args(tiny, task, tmp_path, endpoint, "--data.max_samples", "12", "--algo.kl.init_coef", "0.01",
+                         "--vllm.sync_backend", sync), helpers)
+    rows = metrics(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert rows[2]["version"] == rows[0]["version"] + 2  # one new weight version per step
+    assert rows[-1]["kl"] > 0.0  # the policy moved, and
+    assert all(r["logprob_gap/max"] <= 1e-3 for r in rows), [r["logprob_gap/max"] for r in rows]  # the engine has it

@@ -130,6 +130,7 @@ class HfEngine(Engine):
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
         self._wgroup: WeightGroup | None = None
+        self._uuid: str | None = None  # the GPU's UUID (``ipc.device_uuid``), read at start
         self._named: tuple[Any, dict[str, Any], dict[str, Any]] | None = None  # ``_targets``
         self._eos: tuple[int, ...] = ()
         self._fallback = torch.Generator(device=self.device).manual_seed(config.seed)
@@ -152,6 +153,10 @@ class HfEngine(Engine):
             return m.to(self.device).eval().requires_grad_(False)
 
         self.model = await self._call(load)
+        if self.device.type == "cuda":  # kept: checking a cuda_ipc update's GPU then takes no CUDA call
+            from treadle.rollout.engine.ipc import device_uuid
+
+            self._uuid = await self._call(device_uuid, self.device)
         mcfg = self.model.config
         self.vocab_size = int(mcfg.vocab_size)
         self.max_model_len = min(cfg.max_model_len, int(getattr(mcfg, "max_position_embeddings", 1 << 30)))
@@ -386,8 +391,8 @@ class HfEngine(Engine):
             if h.numel != need:
                 raise WeightMismatch(f"cuda_ipc bucket of tensors [{lo}, {hi}) has {h.numel} bytes, its "
                                      f"layout needs {need}")
-        if handles:  # the device's UUID is a CUDA call: on the model thread, like all CUDA work
-            await self._call(check_colocated, handles[0], self.device)
+        if handles:
+            check_colocated(handles[0], self.device, mine=self._uuid)
 
     @torch.inference_mode()
     def _copy_ipc(self, update: WeightUpdate) -> None:

@@ -133,12 +133,13 @@ def encode_buckets(buffer: torch.Tensor, spans: list[tuple[int, int]]) -> list[b
     return [dumps(msgspec.structs.replace(base, numel=n, tensor_offset=base.tensor_offset + off)) for off, n in spans]
 
 
-def check_colocated(handle: IpcHandle, device: torch.device) -> None:
-    """Raise unless ``handle``'s buffer lives on ``device`` (the engine's own GPU)."""
+def check_colocated(handle: IpcHandle, device: torch.device, mine: str | None = None) -> None:
+    """Raise unless ``handle``'s buffer lives on ``device`` (the engine's own GPU), whose UUID is
+    ``mine`` (None: ask CUDA)."""
     if device.type != "cuda":
         raise IpcHandleError(f"cuda_ipc needs an engine on a CUDA device colocated with the sender; this "
                              f"engine runs on {device}")
-    mine = device_uuid(device)
+    mine = mine or device_uuid(device)
     if handle.device_uuid != mine:
         raise IpcHandleError(f"cuda_ipc: the sender's buffer is on GPU {handle.device_uuid}, this engine on "
                              f"{mine}: colocate them (same GPU) or use the collective transport")

@@ -236,12 +236,36 @@ def sender(parts: PPOParts) -> Any:
     from treadle.trainer.weights.sender import SenderConfig, WeightSender  # noqa: PLC0415
 
     cfg = parts.cfg
-    backend = cfg.vllm.sync_backend if torch.cuda.is_available() else "gloo"
-    conf = SenderConfig(transport="collective", backend=backend, bucket_bytes=cfg.vllm.bucket_mb << 20,
+    transport, backend, why = sync_route(cfg, cuda=torch.cuda.is_available())
+    if why and parts.dist.is_main:
+        log.warning(why)
+    conf = SenderConfig(transport=transport, backend=backend, bucket_bytes=cfg.vllm.bucket_mb << 20,
                         dtype=DTYPES[cfg.ds.param_dtype], mode="abort" if cfg.train.partial_rollout_enable else "wait",
                         host=cfg.vllm.sync_host, peer_reads=cfg.vllm.sync_peer_reads, arm=cfg.vllm.sync_arm)
     return WeightSender(parts.actor, config=conf, client=parts.sync_client, zero_stage=cfg.ds.zero_stage,
                         is_main=parts.dist.is_main)
+
+
+def sync_route(cfg: PPOConfig, *, cuda: bool) -> tuple[str, str, str]:
+    """``(transport, backend, why)`` of the weight sync ``cfg`` asks for, where it can work
+    (pure; ``why`` says what was changed, else ""). On CPU: gloo. With ``--train.colocate_all`` on
+    CUDA the engines share the trainer's GPUs, rank 0's among them, and NCCL refuses a group
+    holding two processes of one GPU ("Duplicate GPU detected"): nccl becomes gloo there.
+    cuda_ipc: engines on rank 0's GPU map its packed buckets (needs CUDA; no arming)."""
+    backend, why = cfg.vllm.sync_backend, ""
+    if backend == "cuda_ipc":
+        if not cuda:
+            raise ConfigError("--vllm.sync_backend cuda_ipc shares GPU memory: it needs CUDA (on CPU, gloo)")
+        if cfg.vllm.sync_arm:
+            raise ConfigError("--vllm.sync_arm arms the engines for a broadcast: not with --vllm.sync_backend cuda_ipc")
+        return "cuda_ipc", "nccl", why
+    if not cuda:
+        backend = "gloo"
+    elif cfg.train.colocate_all and backend == "nccl":
+        backend, why = "gloo", ("--train.colocate_all puts engines on the trainer's GPUs and NCCL cannot hold two "
+                                "processes of one GPU in a group: weights go over gloo (slower; --vllm.sync_backend "
+                                "cuda_ipc for hf engines on rank 0's GPU)")
+    return "collective", backend, why
 
 
 def build_parts(cfg: PPOConfig) -> PPOParts:
@@ -255,6 +279,7 @@ def build_parts(cfg: PPOConfig) -> PPOParts:
         raise ConfigError("--vllm.sync_arm pauses the engines while the trainer trains: not with "
                           + ("--train.async_enable (they generate meanwhile)" if cfg.train.async_enable
                              else "--vllm.enable_sleep (they sleep meanwhile)"))
+    sync_route(cfg, cuda=torch.cuda.is_available())  # refuses what cannot work before anything starts
     if cfg.ds.enable_sleep and cfg.ds.zero_stage != 3:
         raise ConfigError(f"--ds.enable_sleep offloads ZeRO-3 states between phases: needs --ds.zero_stage 3, got {cfg.ds.zero_stage}")
     dist = build.start(cfg, ring_supported=True, sleep_supported=True)
