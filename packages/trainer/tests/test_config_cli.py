@@ -568,3 +568,27 @@ def test_the_weight_sync_goes_where_it_can_work():
         sync_route(with_backend("cuda_ipc"), cuda=False)
     with pytest.raises(ConfigError, match="not with --vllm.sync_backend cuda_ipc"):
         sync_route(with_backend("cuda_ipc", "--vllm.sync_arm", colocated=False), cuda=True)
+
+
+def test_a_daemon_the_trainer_starts_puts_its_engines_beside_or_on_the_trainers_gpus():
+    import dataclasses
+
+    from treadle.trainer.rl.daemon import daemon_spec, engine_gpus, serve_args
+
+    assert engine_gpus(engine_gpus=4, trainer_gpus=2, colocate=False, visible=8, mask=None) == (2, 3, 4, 5)
+    assert engine_gpus(engine_gpus=2, trainer_gpus=2, colocate=True, visible=2, mask=None) == (0, 1)
+    assert engine_gpus(engine_gpus=1, trainer_gpus=1, colocate=False, visible=2, mask="5, 7") == (7,)  # renumbered
+    with pytest.raises(ConfigError, match=r"need 2 GPU\(s\) of their own beside the trainer's 1 on this host, which has 2"):
+        engine_gpus(engine_gpus=2, trainer_gpus=1, colocate=False, visible=2, mask=None)
+    with pytest.raises(ConfigError, match="the engines' 16 GPUs must be among the trainer's 8"):
+        engine_gpus(engine_gpus=16, trainer_gpus=8, colocate=True, visible=8, mask=None)
+    with pytest.raises(ConfigError, match="names GPUs by UUID"):
+        engine_gpus(engine_gpus=1, trainer_gpus=1, colocate=True, visible=1, mask="GPU-0f3a")
+    seed = daemon_spec(parse_ppo(ppo_argv()))  # vLLM, 4 engines x TP 2, colocated on 8 GPUs
+    args = serve_args(dataclasses.replace(seed, gpu_ids=tuple(range(8))), "tcp://127.0.0.1:1")
+    assert args[args.index("--gpu_ids") + 1:args.index("--gpu_ids") + 9] == [str(g) for g in range(8)]
+    assert "--engine.device" not in args  # vLLM places itself on what CUDA_VISIBLE_DEVICES shows it
+    hf = serve_args(dataclasses.replace(seed, backend="hf", engines=1, tensor_parallel_size=1, gpu_ids=(0,)), "tcp://h:1")
+    assert hf[hf.index("--engine.device") + 1] == "cuda" and hf[hf.index("--gpu_ids") + 1] == "0"
+    cpu = serve_args(dataclasses.replace(seed, backend="hf"), "tcp://h:1")
+    assert "--gpu_ids" not in cpu and "--engine.device" not in cpu

@@ -246,18 +246,26 @@ def test_two_ranks_zero3_data_parallel_and_ring(tiny, task, daemon, helpers, tmp
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("sync", ["cuda_ipc", "gloo"])
+@pytest.mark.parametrize("sync", ["cuda_ipc", "gloo", "cuda_ipc_own_daemon"])
 def test_ppo_on_one_gpu_with_an_hf_engine_on_that_gpu(sync, tiny, task, helpers, tmp_path):
     """On the GPU machine: the trainer (ZeRO-3, one rank) and an hf engine share GPU 0, so the
     weights cannot go over NCCL (it refuses two processes of one GPU in a group); each step's
-    new weights reach the engine over CUDA IPC or over gloo, and the engine samples from them."""
+    new weights reach the engine over CUDA IPC or over gloo, and the engine samples from them.
+    ``_own_daemon``: no --vllm.endpoint, the trainer starts the daemon with --train.colocate_all,
+    which puts its engine on the trainer's GPU (``engine_gpus``)."""
     import torch
 
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    with serving(tiny, helpers, "--backend", "hf", "--engine.device", "cuda", "--gpu_ids", "0") as endpoint:
-        run_ppo(ppo_args(tiny, task, tmp_path, endpoint, "--data.max_samples", "12", "--algo.kl.init_coef", "0.01",
-                         "--vllm.sync_backend", sync), helpers)
+    args = ppo_args(tiny, task, tmp_path, "", "--data.max_samples", "12", "--algo.kl.init_coef", "0.01",
+                    "--vllm.sync_backend", sync.removesuffix("_own_daemon"))
+    if sync.endswith("_own_daemon"):
+        del args[args.index("--vllm.endpoint"):args.index("--vllm.endpoint") + 2]
+        run_ppo([*args, "--vllm.backend", "hf", "--train.colocate_all", "--ref.num_gpus_per_node", "1"], helpers)
+    else:
+        with serving(tiny, helpers, "--backend", "hf", "--engine.device", "cuda", "--gpu_ids", "0") as endpoint:
+            args[args.index("--vllm.endpoint") + 1] = endpoint
+            run_ppo(args, helpers)
     rows = metrics(tmp_path)
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert rows[2]["version"] == rows[0]["version"] + 2  # one new weight version per step

@@ -55,6 +55,37 @@ class DaemonSpec:
     """Allow real sleep (GPU)."""
     seed: int
     """Engine seed."""
+    gpu_ids: tuple[int, ...] = ()
+    """GPUs for the engines (``engine_gpus``; their --gpu_ids); (): none named (CPU)."""
+
+
+def engine_gpus(*, engine_gpus: int, trainer_gpus: int, colocate: bool, visible: int,
+                mask: str | None) -> tuple[int, ...]:
+    """The GPUs a daemon started by the trainer puts its engines on (pure): with ``colocate``
+    the trainer's own (the first ``engine_gpus`` of this host's ``trainer_gpus``), else the next
+    ones after the trainer's, which this host (``visible`` GPUs) must have. Numbered as the
+    engines' ``CUDA_VISIBLE_DEVICES`` takes them: through ``mask``, this process's own
+    ``CUDA_VISIBLE_DEVICES`` (None: unset), when it renumbers the GPUs."""
+    if colocate:
+        if engine_gpus > trainer_gpus:
+            raise ConfigError(f"--train.colocate_all: the engines' {engine_gpus} GPUs must be among the trainer's "
+                              f"{trainer_gpus} on this host (a daemon started by the trainer runs on rank 0's host): "
+                              "start one daemon per host yourself and pass --vllm.endpoint")
+        mine = list(range(engine_gpus))
+    else:
+        if trainer_gpus + engine_gpus > visible:
+            raise ConfigError(f"the rollout engines need {engine_gpus} GPU(s) of their own beside the trainer's "
+                              f"{trainer_gpus} on this host, which has {visible}: pass --train.colocate_all (engines "
+                              "on the trainer's GPUs), or --vllm.endpoint of a daemon started elsewhere")
+        mine = list(range(trainer_gpus, trainer_gpus + engine_gpus))
+    if mask is None:
+        return tuple(mine)
+    try:
+        ids = [int(e) for e in mask.split(",") if e.strip()]
+    except ValueError:
+        raise ConfigError(f"CUDA_VISIBLE_DEVICES={mask!r} names GPUs by UUID, which --gpu_ids cannot: start the "
+                          "rollout daemon yourself with its --gpu_ids and pass --vllm.endpoint") from None
+    return tuple(ids[i] for i in mine)
 
 
 def daemon_spec(cfg: Any) -> DaemonSpec:
@@ -79,6 +110,10 @@ def serve_args(spec: DaemonSpec, endpoint: str) -> list[str]:
             "--endpoint", endpoint, "--engine.dtype", spec.dtype, "--engine.max_model_len", str(spec.max_model_len),
             "--engine.seed", str(spec.seed),
             "--engine.gpu_memory_utilization", str(spec.gpu_memory_utilization)]
+    if spec.gpu_ids:
+        args += ["--gpu_ids", *map(str, spec.gpu_ids)]
+        if spec.backend == "hf":
+            args += ["--engine.device", "cuda"]
     if spec.backend == "vllm":
         args += ["--tensor_parallel_size", str(spec.tensor_parallel_size)]
         args.append("--engine.enable_prefix_caching" if spec.enable_prefix_caching else "--engine.no_enable_prefix_caching")

@@ -7,6 +7,8 @@ None on the others. Each helper builds one thing from the typed config.
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +26,7 @@ from treadle.trainer.config.data import check_mixture, split_list
 from treadle.trainer.data.sources import DataError, Row, load_mixture
 from treadle.trainer.models.loading import load_causal_lm, load_tokenizer
 from treadle.trainer.models.reference import Reference
-from treadle.trainer.rl.daemon import DTYPES, OwnedDaemon, daemon_spec
+from treadle.trainer.rl.daemon import DTYPES, OwnedDaemon, daemon_spec, engine_gpus
 from treadle.trainer.rl.generation import Generator, Prompt
 from treadle.trainer.strategy.deepspeed import DistInfo, build_engine
 from treadle.trainer.trainers import build
@@ -182,7 +184,14 @@ def rollout_side(parts: PPOParts) -> None:
     cfg = parts.cfg
     endpoint = cfg.vllm.endpoint
     if endpoint is None:
-        parts.daemon = OwnedDaemon(daemon_spec(cfg))
+        spec = daemon_spec(cfg)
+        if torch.cuda.is_available():
+            v = cfg.vllm
+            spec = dataclasses.replace(spec, gpu_ids=engine_gpus(
+                engine_gpus=v.num_engines * v.tensor_parallel_size, colocate=cfg.train.colocate_all,
+                trainer_gpus=int(os.environ.get("LOCAL_WORLD_SIZE", parts.dist.world)),
+                visible=torch.cuda.device_count(), mask=os.environ.get("CUDA_VISIBLE_DEVICES")))
+        parts.daemon = OwnedDaemon(spec)
         parts.closers.append(parts.daemon.stop)
         endpoint = parts.daemon.endpoint
     curve = None
