@@ -563,7 +563,16 @@ def test_the_weight_sync_goes_where_it_can_work():
     assert sync_route(seed, cuda=False) == ("collective", "gloo", "")
     assert sync_route(with_backend("nccl", colocated=False), cuda=True) == ("collective", "nccl", "")
     assert sync_route(with_backend("gloo"), cuda=True) == ("collective", "gloo", "")
-    assert sync_route(with_backend("cuda_ipc"), cuda=True) == ("cuda_ipc", "nccl", "")
+    one_hf = ("--vllm.backend", "hf", "--vllm.num_engines", "1", "--vllm.tensor_parallel_size", "1",
+              "--actor.num_gpus_per_node", "1", "--ref.num_gpus_per_node", "1", "--reward.num_gpus_per_node", "1",
+              "--critic.num_gpus_per_node", "1")
+    assert sync_route(with_backend("cuda_ipc", *one_hf), cuda=True) == ("cuda_ipc", "nccl", "")
+    with pytest.raises(ConfigError, match="the vllm backend does not take cuda_ipc updates"):
+        sync_route(with_backend("cuda_ipc"), cuda=True)
+    with pytest.raises(ConfigError, match="puts its 8 engine GPUs on GPUs of their own"):
+        sync_route(with_backend("cuda_ipc", "--vllm.backend", "hf"), cuda=True)
+    # a running daemon (--vllm.endpoint): its engines say for themselves whether they can open the handles
+    assert sync_route(with_backend("cuda_ipc", "--vllm.endpoint", "tcp://127.0.0.1:5570"), cuda=True)[0] == "cuda_ipc"
     with pytest.raises(ConfigError, match="cuda_ipc shares GPU memory: it needs CUDA"):
         sync_route(with_backend("cuda_ipc"), cuda=False)
     with pytest.raises(ConfigError, match="not with --vllm.sync_backend cuda_ipc"):

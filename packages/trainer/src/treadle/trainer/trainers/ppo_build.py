@@ -260,13 +260,22 @@ def sync_route(cfg: PPOConfig, *, cuda: bool) -> tuple[str, str, str]:
     (pure; ``why`` says what was changed, else ""). On CPU: gloo. With ``--train.colocate_all`` on
     CUDA the engines share the trainer's GPUs, rank 0's among them, and NCCL refuses a group
     holding two processes of one GPU ("Duplicate GPU detected"): nccl becomes gloo there.
-    cuda_ipc: engines on rank 0's GPU map its packed buckets (needs CUDA; no arming)."""
+    cuda_ipc: engines on rank 0's GPU map its packed buckets (needs CUDA, no arming, and for a
+    daemon started here one hf engine)."""
     backend, why = cfg.vllm.sync_backend, ""
     if backend == "cuda_ipc":
         if not cuda:
             raise ConfigError("--vllm.sync_backend cuda_ipc shares GPU memory: it needs CUDA (on CPU, gloo)")
         if cfg.vllm.sync_arm:
             raise ConfigError("--vllm.sync_arm arms the engines for a broadcast: not with --vllm.sync_backend cuda_ipc")
+        v = cfg.vllm
+        if v.endpoint is None and v.backend != "hf":  # a daemon started here: its backend is known
+            raise ConfigError(f"--vllm.sync_backend cuda_ipc: the {v.backend} backend does not take cuda_ipc updates "
+                              "(the hf backend does); use gloo")
+        if v.endpoint is None and v.num_engines * v.tensor_parallel_size > 1:
+            raise ConfigError(f"--vllm.sync_backend cuda_ipc serves engines on rank 0's GPU, and a daemon started here "
+                              f"puts its {v.num_engines * v.tensor_parallel_size} engine GPUs on GPUs of their own; "
+                              "use gloo")
         return "cuda_ipc", "nccl", why
     if not cuda:
         backend = "gloo"
