@@ -246,22 +246,28 @@ def test_two_ranks_zero3_data_parallel_and_ring(tiny, task, daemon, helpers, tmp
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("sync", ["cuda_ipc", "gloo", "cuda_ipc_own_daemon"])
+@pytest.mark.parametrize("sync", ["cuda_ipc", "gloo", "cuda_ipc_own_daemon", pytest.param(
+    "cuda_ipc_own_daemon_sleep", marks=pytest.mark.xfail(reason="its one GPU run (session 13) failed at the first "
+                                                          "offload: DeepSpeed's offload_states asserts its FusedAdam; "
+                                                          "the trainer now builds that with --ds.enable_sleep on CUDA, "
+                                                          "not run on a GPU since"))])
 def test_ppo_on_one_gpu_with_an_hf_engine_on_that_gpu(sync, tiny, task, helpers, tmp_path):
     """On the GPU machine: the trainer (ZeRO-3, one rank) and an hf engine share GPU 0, so the
     weights cannot go over NCCL (it refuses two processes of one GPU in a group); each step's
     new weights reach the engine over CUDA IPC or over gloo, and the engine samples from them.
     ``_own_daemon``: no --vllm.endpoint, the trainer starts the daemon with --train.colocate_all,
-    which puts its engine on the trainer's GPU (``engine_gpus``)."""
+    which puts its engine on the trainer's GPU (``engine_gpus``); ``_sleep``: and both sides free
+    their GPU memory while the other works (the engine's weights move to the host and back)."""
     import torch
 
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     args = ppo_args(tiny, task, tmp_path, "", "--data.max_samples", "12", "--algo.kl.init_coef", "0.01",
-                    "--vllm.sync_backend", sync.removesuffix("_own_daemon"))
-    if sync.endswith("_own_daemon"):
+                    "--vllm.sync_backend", sync.split("_own")[0])
+    if "_own_daemon" in sync:
         del args[args.index("--vllm.endpoint"):args.index("--vllm.endpoint") + 2]
-        run_ppo([*args, "--vllm.backend", "hf", "--train.colocate_all", "--ref.num_gpus_per_node", "1"], helpers)
+        sleep = ["--vllm.enable_sleep", "--ds.enable_sleep"] if sync.endswith("_sleep") else []
+        run_ppo([*args, "--vllm.backend", "hf", "--train.colocate_all", "--ref.num_gpus_per_node", "1", *sleep], helpers)
     else:
         with serving(tiny, helpers, "--backend", "hf", "--engine.device", "cuda", "--gpu_ids", "0") as endpoint:
             args[args.index("--vllm.endpoint") + 1] = endpoint

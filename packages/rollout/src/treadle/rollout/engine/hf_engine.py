@@ -373,10 +373,17 @@ class HfEngine(Engine):
         """The model's parameters and buffers by name, listed once (a walk of the module tree
         costs a few ms on a 1.5B model, ahead of the first bucket's receive); the same objects
         for the model's life (``to()`` and in-place loads keep them). ``_named[2]`` keeps their
-        word views for ``_copy_flats``, made at first use, for as long."""
+        word views for ``_copy_flats``, made at first use, until ``to()`` moves their storage
+        (``_drop_words``)."""
         if self._named is None or self._named[0] is not self.model:
             self._named = (self.model, dict(self.model.named_parameters()) | dict(self.model.named_buffers()), {})
         return self._named[1]
+
+    def _drop_words(self) -> None:
+        """Forget the word views: ``to()`` moves the parameters' data to new storage (sleep, wake),
+        the views would still point into (and keep alive) the old one."""
+        if self._named is not None:
+            self._named[2].clear()
 
     async def _load(self, update: WeightUpdate, tensors: list[Any]) -> None:
         await self._call(self._copy_in, [list(zip(update.names, tensors, strict=True))])
@@ -456,12 +463,14 @@ class HfEngine(Engine):
         if self.device.type == "cpu":
             return SleepState(level=level, memory_released=False,
                               note="HF engine on CPU: nothing to release; generation paused only")
+        self._drop_words()  # they hold the GPU storage (and would copy into it after the wake)
         await self._call(lambda: (self.model.to("cpu"), torch.cuda.empty_cache()))
         return SleepState(level=level, memory_released=True,
                           note="HF engine: weights moved to host memory (level 2 treated as 1)")
 
     async def _wake_backend(self, level: int) -> None:
         if self.device.type != "cpu":
+            self._drop_words()
             await self._call(lambda: self.model.to(self.device))
 
     async def _reset_prefix_cache(self) -> None:

@@ -168,8 +168,12 @@ def ds_config(ds: DeepSpeedConfig, optim: OptimizerConfig | None, *, micro_batch
     return cfg
 
 
-def build_optimizer(model: torch.nn.Module, optim: OptimizerConfig, *, offload: bool) -> torch.optim.Optimizer:
-    """AdamW over the trainable parameters; biases and norm weights (1-D) get no weight decay."""
+def build_optimizer(model: torch.nn.Module, optim: OptimizerConfig, *, offload: bool,
+                    movable: bool = False) -> torch.optim.Optimizer:
+    """AdamW over the trainable parameters; biases and norm weights (1-D) get no weight decay.
+    ``offload``: DeepSpeed's CPU Adam (--ds.adam_offload). ``movable`` (--ds.enable_sleep on a
+    GPU): DeepSpeed's FusedAdam, the only optimizer ZeRO-3's ``offload_states`` moves (it asserts
+    so; torch's fused AdamW failed there on an H200 at the first offload)."""
     if optim.optim != "adam":
         raise ConfigError(f"--optim {optim.optim} is not available in this trainer yet; use adam")
     params = [p for p in model.parameters() if p.requires_grad]
@@ -181,6 +185,10 @@ def build_optimizer(model: torch.nn.Module, optim: OptimizerConfig, *, offload: 
         from deepspeed.ops.adam import DeepSpeedCPUAdam  # noqa: PLC0415  (JIT-builds its op on first use)
 
         return DeepSpeedCPUAdam(groups, adamw_mode=True, **kw)
+    if movable:
+        from deepspeed.ops.adam import FusedAdam  # noqa: PLC0415  (JIT-builds its CUDA op on first use)
+
+        return FusedAdam(groups, adam_w_mode=True, **kw)
     return torch.optim.AdamW(groups, fused=torch.cuda.is_available(), **kw)
 
 
@@ -269,7 +277,8 @@ def build_engine(model: torch.nn.Module, ds: DeepSpeedConfig, optim: OptimizerCo
     ds = replace(ds, compile_layers=compiles_layers(ds, get_accelerator().device_name(), model))
     if ds.compile_layers:
         compile_layers(model, ds)
-    optimizer = build_optimizer(model, optim, offload=ds.adam_offload)
+    optimizer = build_optimizer(model, optim, offload=ds.adam_offload,
+                                movable=ds.enable_sleep and get_accelerator().device_name() == "cuda")
     scheduler = build_scheduler(optimizer, optim, total_steps)
     config = ds_config(ds, optim, micro_batch=micro_batch, grad_accum=grad_accum, world=world)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config)

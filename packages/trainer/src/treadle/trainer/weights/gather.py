@@ -611,10 +611,11 @@ def packed(items: Sequence[Item], sizes: Sequence[int], dest: Callable[[int, int
         if peers is not None:
             yield lo, hi, fill(lo, hi, functools.partial(_pulled, bucket, b.params, peers, kept))
             continue
-        if b.world == 1:  # one rank: its partitions are the whole tensors, nothing to gather
+        if b.world == 1:  # one rank: its partitions are the whole tensors, nothing to gather.
+            # Their views are not kept: they would keep the partitions' memory alive when ZeRO-3
+            # offloads it between syncs (--ds.enable_sleep).
             own = [[p.ds_tensor for p in b.params]]
-            where = ("own", tuple(t.data_ptr() for t in own[0]))
-            yield lo, hi, fill(lo, hi, functools.partial(_scatter, bucket, own, kept, where=where))
+            yield lo, hi, fill(lo, hi, functools.partial(_scatter, bucket, own, None))
             continue
         grid, work = ahead[1:] if ahead is not None and ahead[0] == k else gather(b)
         # Start the next bucket's gather before this one is scattered: the scatter then runs while
