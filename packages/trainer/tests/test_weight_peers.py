@@ -142,7 +142,7 @@ def test_prepare_exchanges_shares_only_when_a_partition_moved(monkeypatch: pytes
     monkeypatch.setattr(torch.distributed, "broadcast",  # rank 0's answer: it reads them
                         lambda t, src, group=None: calls.append("broadcast") or t.fill_(1))
     monkeypatch.setattr(PeerReads, "_share", lambda self, params: _Share(
-        uuid="gpu", storages=[b"h"], pieces=[(0, p.ds_tensor.data_ptr() % 4096, 4 * p.ds_tensor.numel()) for p in params]))
+        uuid="gpu", storages=[b"h"], pieces=[(0, p.ds_tensor.data_ptr(), 4 * p.ds_tensor.numel()) for p in params]))
     located: list[int] = []
     monkeypatch.setattr(PeerReads, "_locate", lambda self, params, shares: located.append(1) or {
         id(p): [(torch.zeros(4096, dtype=torch.uint8), 0, 4)] for p in params})
@@ -152,7 +152,9 @@ def test_prepare_exchanges_shares_only_when_a_partition_moved(monkeypatch: pytes
     assert reads.prepare(params, main=True) and calls == ["any", "exchange", "broadcast"] and located == [1]
     calls.clear()
     assert reads.prepare(params, main=True) and calls == ["any"] and reads.generation == 1
+    before = params[1].ds_tensor  # kept alive: the new memory cannot be at the old address
     params[1].ds_tensor = torch.tensor([3.0])  # moved here (new memory)
+    assert params[1].ds_tensor.data_ptr() != before.data_ptr()
     calls.clear()
     assert reads.prepare(params, main=True) and calls == ["any", "exchange", "broadcast"]
     assert located == [1, 1] and reads.generation == 2  # placed again: the rows' views go stale
