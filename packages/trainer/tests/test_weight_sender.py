@@ -326,6 +326,21 @@ def test_stale_group_is_rejoined_and_the_update_resent(daemon, model_b):
     assert daemon.client.health()["version"] == v + 3
 
 
+def test_a_released_sender_holds_no_buffers_and_sends_whole_weights_again(daemon, model_b):
+    """``release`` (before a colocated trainer offloads its states) drops what the sender keeps
+    between syncs; the next sync makes it again and the engine gets the new weights whole."""
+    model = causal_lm(model_b)
+    v = daemon.next_version()
+    with sender(model, daemon.client, bucket_bytes=64 << 10) as s:
+        assert s.sync(v).updated == ["e0"] and len(s._buffers) == 2
+        s.release()
+        assert s._buffers == [] and s._ipc_buffer is None
+        with torch.no_grad():
+            model.model.norm.weight.add_(0.25)
+        assert s.sync(v + 1).updated == ["e0"] and len(s._buffers) == 2
+    assert list(daemon.client.weight_digest().values()) == [scenarios.hf_digest(checkpoint_state(model), True)]
+
+
 def test_two_senders_take_turns_on_one_daemon(daemon, model_b):
     """Each join replaces the daemon's group (the other sender's is left); the sender whose group
     was replaced is told so at its next update and rejoins; every update arrives whole."""

@@ -183,6 +183,7 @@ class PPOTrainer:
         host memory while the colocated engines generate; ``_reload_models`` brings them back. On a
         CPU-only machine everything already lives in host memory: nothing to do."""
         if self.cfg.ds.enable_sleep and torch.cuda.is_available() and not self._offloaded:
+            self.p.sender.release()  # its kept buffers and views would pin GPU memory meanwhile
             for engine in (self.p.actor, self.p.critic):
                 if engine is not None:
                     engine.offload_states()

@@ -296,6 +296,16 @@ class WeightSender:
         self._arming = _Arming(version=version, items=items, buckets=(self.config.bucket_bytes, self.config.ramp),
                                group=self._group, answer=answer)
 
+    def release(self) -> None:
+        """Drop the memory kept from one sync to the next: the send buffers, the cuda_ipc buffer, the
+        gathers' grids and views, and the peers' shares and mappings (which keep the partitions'
+        storage alive). For a trainer about to offload its states while colocated engines generate
+        (--ds.enable_sleep): kept, they would pin that GPU memory. Every rank calls it (each drops
+        its own); the next sync makes them again (the peers' shares are exchanged anew)."""
+        self._buffers, self._ipc_buffer, self._kept = [], None, Kept()
+        if self._peers is not None:
+            self._peers.close()
+
     def close(self) -> None:
         """Leave the daemon's weight group (rank 0) and drop the buffers; idempotent."""
         if self._closed:
