@@ -298,6 +298,10 @@ def build_parts(cfg: PPOConfig) -> PPOParts:
                           + ("--train.async_enable (they generate meanwhile)" if cfg.train.async_enable
                              else "--vllm.enable_sleep (they sleep meanwhile)"))
     sync_route(cfg, cuda=torch.cuda.is_available())  # refuses what cannot work before anything starts
+    if cfg.ds.enable_sleep and cfg.ds.adam_offload and torch.cuda.is_available():
+        raise ConfigError("--ds.enable_sleep moves the optimizer's states off the GPU with ZeRO-3's offload_states, "
+                          "which takes DeepSpeed's FusedAdam only; --ds.adam_offload runs DeepSpeed's CPU Adam: "
+                          "pick one")
     if cfg.ds.enable_sleep and cfg.ds.zero_stage != 3:
         raise ConfigError(f"--ds.enable_sleep offloads ZeRO-3 states between phases: needs --ds.zero_stage 3, got {cfg.ds.zero_stage}")
     dist = build.start(cfg, ring_supported=True, sleep_supported=True)
