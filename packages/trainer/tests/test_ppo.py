@@ -245,29 +245,35 @@ def test_two_ranks_zero3_data_parallel_and_ring(tiny, task, daemon, helpers, tmp
         assert abs(dp[key] - ring[key]) <= 1e-4 * max(1.0, abs(dp[key])), (key, dp[key], ring[key])
 
 
+OWN_DAEMON = ("--vllm.backend", "hf", "--train.colocate_all", "--ref.num_gpus_per_node", "1")
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("sync", ["cuda_ipc", "gloo", "cuda_ipc_own_daemon", pytest.param(
-    "cuda_ipc_own_daemon_sleep", marks=pytest.mark.xfail(reason="its one GPU run (session 13) failed at the first "
-                                                          "offload: DeepSpeed's offload_states asserts its FusedAdam; "
-                                                          "the trainer now builds that with --ds.enable_sleep on CUDA, "
-                                                          "not run on a GPU since"))])
-def test_ppo_on_one_gpu_with_an_hf_engine_on_that_gpu(sync, tiny, task, helpers, tmp_path):
+@pytest.mark.parametrize(("sync", "own_daemon"), [
+    pytest.param("cuda_ipc", None, id="cuda_ipc"),
+    pytest.param("gloo", None, id="gloo"),
+    pytest.param("cuda_ipc", OWN_DAEMON, id="cuda_ipc_own_daemon"),
+    pytest.param("cuda_ipc", (*OWN_DAEMON, "--vllm.enable_sleep", "--ds.enable_sleep"), id="cuda_ipc_own_daemon_sleep",
+                 marks=pytest.mark.xfail(reason="its one GPU run (session 13) failed at the first offload: DeepSpeed's "
+                                                "offload_states asserts its FusedAdam; the trainer now builds that with "
+                                                "--ds.enable_sleep on CUDA, not run on a GPU since")),
+])
+def test_ppo_on_one_gpu_with_an_hf_engine_on_that_gpu(sync, own_daemon, tiny, task, helpers, tmp_path):
     """On the GPU machine: the trainer (ZeRO-3, one rank) and an hf engine share GPU 0, so the
     weights cannot go over NCCL (it refuses two processes of one GPU in a group); each step's
     new weights reach the engine over CUDA IPC or over gloo, and the engine samples from them.
-    ``_own_daemon``: no --vllm.endpoint, the trainer starts the daemon with --train.colocate_all,
-    which puts its engine on the trainer's GPU (``engine_gpus``); ``_sleep``: and both sides free
-    their GPU memory while the other works (the engine's weights move to the host and back)."""
+    ``own_daemon``: no --vllm.endpoint but these flags: the trainer starts the daemon with
+    --train.colocate_all, which puts its engine on the trainer's GPU (``engine_gpus``); with the
+    sleep flags both sides also free their GPU memory while the other works."""
     import torch
 
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     args = ppo_args(tiny, task, tmp_path, "", "--data.max_samples", "12", "--algo.kl.init_coef", "0.01",
-                    "--vllm.sync_backend", sync.split("_own")[0])
-    if "_own_daemon" in sync:
+                    "--vllm.sync_backend", sync)
+    if own_daemon:
         del args[args.index("--vllm.endpoint"):args.index("--vllm.endpoint") + 2]
-        sleep = ["--vllm.enable_sleep", "--ds.enable_sleep"] if sync.endswith("_sleep") else []
-        run_ppo([*args, "--vllm.backend", "hf", "--train.colocate_all", "--ref.num_gpus_per_node", "1", *sleep], helpers)
+        run_ppo([*args, *own_daemon], helpers)
     else:
         with serving(tiny, helpers, "--backend", "hf", "--engine.device", "cuda", "--gpu_ids", "0") as endpoint:
             args[args.index("--vllm.endpoint") + 1] = endpoint
