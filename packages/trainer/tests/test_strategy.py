@@ -18,6 +18,7 @@ from treadle.trainer.strategy.deepspeed import (
     ds_config,
     frozen_config,
     grad_accum_steps,
+    jit_arch_list,
 )
 
 
@@ -66,6 +67,18 @@ def test_optimizer_skips_decay_on_vectors_and_schedule_warms_up():
     assert lrs[0] == 0.0 and max(lrs) == pytest.approx(1e-3) and lrs[-1] >= 1e-4 * 0.99  # min_lr_ratio 0.1
     with pytest.raises(ConfigError, match="--optim muon"):
         build_optimizer(model, parse_sft(["--actor.model_name_or_path", "m", "--data.dataset", "d", "--optim", "muon"]), offload=False)
+
+
+@pytest.mark.parametrize(("given", "built"), [
+    ("9.0a", "9.0"),                    # the H200 image's own value; DeepSpeed's int() fails on '0a'
+    ("8.0;9.0a+PTX", "8.0;9.0+PTX"),
+    ("9.0 9.0a 10.0f", "9.0;10.0"),     # whitespace-separated, repeats dropped
+    ("8.0;9.0+PTX", None),              # already readable: left as is
+    (None, None), ("", None),
+    ("sm_90", None),                    # not an arch entry: DeepSpeed reports it itself
+])
+def test_jit_arch_list_gives_deepspeed_numbers_it_can_parse(given, built):
+    assert jit_arch_list(given) == built
 
 
 def test_frozen_reference_config_is_zero3_without_optimizer():

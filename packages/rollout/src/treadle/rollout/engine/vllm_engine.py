@@ -21,7 +21,6 @@ import contextlib
 import hashlib
 import itertools
 import json
-import os
 import tempfile
 from collections import defaultdict
 from collections.abc import AsyncIterator, Iterator
@@ -31,6 +30,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from treadle.common.env import scoped_environ
 from treadle.common.errors import BadRequest, EngineDead
 from treadle.common.records import FinishReason, GenerateRequest, GenerateResult, WeightUpdate
 from treadle.rollout.engine.base import Engine
@@ -109,25 +109,6 @@ def engine_args(cfg: VllmEngineConfig, on_cpu: bool) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def _scoped_environ(values: dict[str, str]) -> Iterator[None]:
-    """Set environment variables for the child processes vLLM starts inside the block.
-
-    vLLM reads these itself (they are its knobs, not treadle's); they are restored afterwards so
-    later children of this process do not inherit them.
-    """
-    old = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
-@contextlib.contextmanager
 def _named_errors(engine_id: str) -> Iterator[None]:
     """Re-raise vLLM's request and engine failures as treadle's named errors."""
     from vllm.exceptions import VLLMClientError
@@ -172,7 +153,7 @@ class VllmEngine(Engine):
         if cfg.omp_num_threads is not None and not cfg.multiprocess:
             env["OMP_NUM_THREADS"] = str(cfg.omp_num_threads)
         args = AsyncEngineArgs(**engine_args(cfg, on_cpu))
-        with _scoped_environ(env):
+        with scoped_environ(env):  # vLLM's own knobs, for the children it starts
             self._llm = AsyncLLM.from_engine_args(
                 args, stat_loggers=[lambda vllm_config, engine_index=0: _SchedulerCounts(self._sched)])
         await self._llm.update_weight_version(str(self._version))

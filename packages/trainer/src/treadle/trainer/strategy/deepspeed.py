@@ -32,6 +32,8 @@ Not here: model math (``models``), the training loop (``trainers``), checkpoints
 from __future__ import annotations
 
 import math
+import os
+import re
 import socket
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -188,8 +190,36 @@ def build_optimizer(model: torch.nn.Module, optim: OptimizerConfig, *, offload: 
     if movable:
         from deepspeed.ops.adam import FusedAdam  # noqa: PLC0415  (JIT-builds its CUDA op on first use)
 
-        return FusedAdam(groups, adam_w_mode=True, **kw)
+        from treadle.common.env import scoped_environ  # noqa: PLC0415
+
+        # Read, not set by treadle: the machine's own arch list, rewritten for the build only.
+        arch = jit_arch_list(os.environ.get("TORCH_CUDA_ARCH_LIST"))
+        with scoped_environ({} if arch is None else {"TORCH_CUDA_ARCH_LIST": arch}):
+            return FusedAdam(groups, adam_w_mode=True, **kw)
     return torch.optim.AdamW(groups, fused=torch.cuda.is_available(), **kw)
+
+
+_ARCH = re.compile(r"(\d+)\.(\d+)[a-z]?(\+PTX)?")
+
+
+def jit_arch_list(value: str | None) -> str | None:
+    """``TORCH_CUDA_ARCH_LIST`` as DeepSpeed's JIT op builder can read it, or None to leave it be.
+
+    DeepSpeed (0.19) sorts the entries by ``int()`` of each number, so an arch-specific entry such
+    as ``9.0a`` (what the H200 image sets) fails the build with "invalid literal for int() with
+    base 10: '0a'". The suffix only unlocks arch-specific instructions, which DeepSpeed's fused
+    ops do not use: ``9.0a`` becomes ``9.0`` (``+PTX`` stays), repeats are dropped. Unset or
+    already-readable lists give None; an entry that is no arch at all is left for DeepSpeed to
+    report, so it gives None too.
+    """
+    if not value or not value.strip():
+        return None
+    entries = value.replace(";", " ").split()
+    matches = [_ARCH.fullmatch(e) for e in entries]
+    if not all(matches):
+        return None
+    out = list(dict.fromkeys(f"{m[1]}.{m[2]}{m[3] or ''}" for m in matches))
+    return None if out == entries else ";".join(out)
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, optim: OptimizerConfig, total_steps: int) -> Any:
