@@ -178,17 +178,21 @@ class PPOTrainer:
         if self.cfg.vllm.enable_sleep:
             self.p.sync_client.sleep(level=1)
 
-    def _offload_models(self) -> None:
+    def _offload_models(self) -> dict[str, float]:
         """``--ds.enable_sleep``: move the ZeRO-3 engines' states (weights, gradients, optimizer) to
         host memory while the colocated engines generate; ``_reload_models`` brings them back. On a
-        CPU-only machine everything already lives in host memory: nothing to do."""
-        if self.cfg.ds.enable_sleep and torch.cuda.is_available() and not self._offloaded:
-            self.p.sender.release()  # its kept buffers and views would pin GPU memory meanwhile
-            for engine in (self.p.actor, self.p.critic):
-                if engine is not None:
-                    engine.offload_states()
-            torch.cuda.empty_cache()
-            self._offloaded = True
+        CPU-only machine everything already lives in host memory: nothing to do. Returns this
+        rank's GPU memory held by torch's allocator before and after (GiB), as metrics."""
+        if not (self.cfg.ds.enable_sleep and torch.cuda.is_available() and not self._offloaded):
+            return {}
+        before = torch.cuda.memory_reserved()
+        self.p.sender.release()  # its kept buffers and views would pin GPU memory meanwhile
+        for engine in (self.p.actor, self.p.critic):
+            if engine is not None:
+                engine.offload_states()
+        torch.cuda.empty_cache()
+        self._offloaded = True
+        return {"sleep/gpu_gib_before": before / 2**30, "sleep/gpu_gib_after": torch.cuda.memory_reserved() / 2**30}
 
     def _reload_models(self) -> None:
         if self._offloaded:
@@ -376,7 +380,7 @@ class PPOTrainer:
             if main:
                 self.p.trajlog.mark_step(step, used=[t.uid for t in trajs], dropped=dropped)
             metrics.update(self.sync_weights(self.version + 1))
-            self._offload_models()
+            metrics.update(self._offload_models())
             state = TrainState(global_step=step, epoch=state.epoch, best_metric=state.best_metric,
                                best_step=state.best_step)
             t_sync = time.perf_counter()
