@@ -611,11 +611,9 @@ def packed(items: Sequence[Item], sizes: Sequence[int], dest: Callable[[int, int
         if peers is not None:
             yield lo, hi, fill(lo, hi, functools.partial(_pulled, bucket, b.params, peers, kept))
             continue
-        if b.world == 1:  # one rank: its partitions are the whole tensors, nothing to gather.
-            # Their views are not kept: they would keep the partitions' memory alive when ZeRO-3
-            # offloads it between syncs (--ds.enable_sleep).
+        if b.world == 1:  # one rank: its partitions are the whole tensors, nothing to gather
             own = [[p.ds_tensor for p in b.params]]
-            yield lo, hi, fill(lo, hi, functools.partial(_scatter, bucket, own, None))
+            yield lo, hi, fill(lo, hi, functools.partial(_scatter, bucket, own, kept, where=_own_key(own[0])))
             continue
         grid, work = ahead[1:] if ahead is not None and ahead[0] == k else gather(b)
         # Start the next bucket's gather before this one is scattered: the scatter then runs while
@@ -687,6 +685,13 @@ def _pulled(items: Sequence[Item], params: list[torch.Tensor], peers: PeerReads,
     front of ``buffer``."""
     where, rows = peers.rows(params)
     return _scatter(items, rows, kept, buffer, where=where)
+
+
+def _own_key(partitions: Sequence[torch.Tensor]) -> tuple:
+    """Names where a 1-rank bucket's partitions lie (views of them are kept under it: the sender's
+    ``release`` drops them before ZeRO-3 offloads the partitions, and a partition that moved
+    gives another key)."""
+    return ("own", *((t.data_ptr(), t.numel()) for t in partitions))
 
 
 def _scatter(items: Sequence[Item], grid: Any, kept: Kept | None, buffer: torch.Tensor,
