@@ -82,9 +82,9 @@ def test_canary_mismatch_quarantines_until_a_good_update(tight_daemon, aio, mode
     assert stats["engines"][0]["state"] == "quarantined" and stats["version"] == 0
     loads = report.pop("loads")
     assert report == {"version": 2, "updated": ["e0"], "failed": {}}
-    # the engine's stamps, in order: reached it, load started, loaded, canary checked
-    assert list(loads) == ["e0"] and loads["e0"]["called"] <= loads["e0"]["loading"] <= loads["e0"]["loaded"] \
-        <= loads["e0"]["done"]
+    # the stamps, in order: reached the front end, reached the engine, load started, loaded, canary checked
+    assert list(loads) == ["e0"] and loads["e0"]["received"] <= loads["e0"]["called"] <= loads["e0"]["loading"] \
+        <= loads["e0"]["loaded"] <= loads["e0"]["done"]
     assert res[0].weight_version == 2
     assert np.abs(tools.logprobs(ref["b"], PROMPT, res[0].response_token_ids, temperature=0.0)
                   - res[0].logprobs).max() <= 1e-4

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -141,6 +142,7 @@ class WeightCoordinator:
     async def update_inline(self, update: WeightUpdate, mode: str) -> dict[str, Any]:
         """Load ``update`` (inline or cuda_ipc) into every live engine; returns the report (raises
         as ``_settle``)."""
+        received = time.time()
         async with self.lock:
             self.check(update, "cuda_ipc" if update.transport == "cuda_ipc" else "inline")
             targets = self.pool.live(UPDATABLE)
@@ -148,7 +150,8 @@ class WeightCoordinator:
                 raise tagged(NoEngine, "no live engine to update")
             method = "update_weights_abort" if mode == "abort" else "update_weights"
             replies = await asyncio.gather(*(h.call(method, update) for h in targets), return_exceptions=True)
-            return self._settle(update, targets, replies, lambda: update if update.transport == "inline" else None)
+            return self._settle(update, targets, replies, lambda: update if update.transport == "inline" else None,
+                                received)
 
     def _group_for(self, update: WeightUpdate) -> Group:
         """The group a collective ``update`` goes over; raises what refuses it."""
@@ -189,6 +192,7 @@ class WeightCoordinator:
 
     async def update_collective(self, update: WeightUpdate, mode: str) -> AsyncIterator[Control]:
         """Receive ``update``'s buckets on every member (and the keeper); yields accepted, updated."""
+        received = time.time()
         async with self.lock:
             g = self._group_for(update)
             members = [self.pool.handles[i] for i in g.members]
@@ -203,11 +207,13 @@ class WeightCoordinator:
                 log.error("the front end could not keep weight version %d: %s", update.version, kept)
             inline = None if kept is None or isinstance(kept, BaseException) else \
                 msgspec.structs.replace(update, transport="inline", bucket_sizes=[], group={}, tensors=kept)
-            yield Control(op="updated", args=self._settle(update, members, replies, lambda: inline))
+            yield Control(op="updated", args=self._settle(update, members, replies, lambda: inline, received))
 
-    def _settle(self, update: WeightUpdate, targets: list[Any], replies: list[Any], keep: Any) -> dict[str, Any]:
+    def _settle(self, update: WeightUpdate, targets: list[Any], replies: list[Any], keep: Any,
+                received: float) -> dict[str, Any]:
         """Book the engines' answers: move the pool's version, quarantine canary failures, keep
-        the weights; raise ``EnginesQuarantined`` or (nothing loaded anywhere) the first error."""
+        the weights; raise ``EnginesQuarantined`` or (nothing loaded anywhere) the first error.
+        ``received``: when the update reached the front end, the first of each engine's stamps."""
         updated, quarantined, failed = [], {}, {}
         for h, r in zip(targets, replies, strict=True):
             if not isinstance(r, BaseException):
@@ -233,7 +239,7 @@ class WeightCoordinator:
                          + "; ".join(f"{k}: {v}" for k, v in quarantined.items()))
         if not updated:
             raise next(iter(failed.values()))
-        loads = {h.engine_id: dict(r.args.get("load") or {}) for h, r in zip(targets, replies, strict=True)
+        loads = {h.engine_id: {"received": received, **(r.args.get("load") or {})} for h, r in zip(targets, replies, strict=True)
                  if h in updated and isinstance(r, Control)}  # the engines' stamps (``Engine.last_load``)
         return {"version": update.version, "updated": [h.engine_id for h in updated],
                 "failed": {k: str(v) for k, v in failed.items()}, "loads": loads}
