@@ -30,8 +30,9 @@ trainer model from the same config (seed 1), wrapped in a ZeRO-3 DeepSpeed engin
    transfers and ``gather*`` / ``pull_pack*`` use full buckets in the model's order.
 
 With ``--nproc_per_node 1`` on one GPU (a 1-rank trainer: nothing crosses NVLink) it runs the
-cuda_ipc path alone: the "ipc" daemon and raw receiver on GPU 0, the gathers, ``raw_ipc`` and
-``ipc``.
+cuda_ipc path alone: the "ipc" daemon and raw receiver on GPU 0, the gathers, ``raw_ipc``,
+``ipc`` (the engine reads the trainer's partitions in place: at one rank they are the whole
+tensors) and ``ipc_packed`` (packed buckets, as at two ranks).
 
 Medians are reported with the ratios the issue sets goals for (NCCL path <= 1.3x raw NCCL, IPC
 path <= 1.5x raw IPC) and the same ratios for the transfer part alone (``send_s``: rank 0's
@@ -276,12 +277,15 @@ class Bench:
     def sync(self, sender, name: str, layout: str) -> dict:  # noqa: ANN001
         """``name``: the daemon, with ``_peer`` the same sender with peer reads on (rank 0 reads
         rank 1's partitions over CUDA IPC instead of NCCL gathers), with ``_arm`` armed first
-        (``WeightSender.arm``), with ``_direct`` the peers' memory packed from directly
+        (``WeightSender.arm``), with ``_packed`` a cuda_ipc sync that packs its buckets even where
+        the engine could read the trainer's partitions in place (``SenderConfig.ipc_in_place``, the
+        default: at one rank), with ``_direct`` the peers' memory packed from directly
         (``PeerReads.direct``), with ``_ramp`` ramped buckets (``SenderConfig.ramp = RAMP``).
         Every sync starts after ``--idle-ms`` of quiet (as after training)."""
         daemon, flags = name.split("_")[0], name.split("_")[1:]
         sender.config = dataclasses.replace(sender.config, bucket_bytes=self.bucket_bytes[layout],
                                             peer_reads="peer" in flags, arm="arm" in flags,
+                                            ipc_in_place="packed" not in flags,
                                             ramp=RAMP if "ramp" in flags else type(sender.config)().ramp)
         if sender._peers is not None:  # made at the first peer-read sync
             sender._peers.direct = "direct" in flags
@@ -335,7 +339,7 @@ def schedule(repeats: int, ipc: bool, nccl: bool = True) -> list[list[tuple[str,
     ``_peer``, ``_arm`` and ``_ramp`` syncs and ``pull_pack*`` run bucketed only. Without
     ``nccl`` (a 1-rank trainer on one GPU): the gathers, raw IPC and the cuda_ipc sync alone."""
     if not nccl:
-        ops = ["gather_all", "gather", "gather_pack", "raw_ipc", "ipc"]
+        ops = ["gather_all", "gather", "gather_pack", "raw_ipc", "ipc", "ipc_packed"]
     else:
         ops = ["raw_nccl", "gather_all", "gather", "gather_pack", "nccl"] + (
             ["pull_pack", "pull_pack_direct", "nccl_peer", "nccl_peer_direct", "nccl_peer_ramp", "nccl_peer_direct_ramp",
@@ -372,12 +376,20 @@ def correctness(bench: Bench, senders: dict, clients: dict) -> dict:
         want = bench.digest()
         for transport, sender in senders.items():
             peer = bench.peers is not None and transport == "nccl"  # the cuda_ipc transport always gathers
-            for name in (transport, *((f"{transport}_peer",) if peer else ())):  # gathers, peer reads
+            packed = transport == "ipc" and bench.peers is None  # one rank: in place (the default), packed
+            for name in (transport, *((f"{transport}_peer",) if peer else ()), *(("ipc_packed",) if packed else ())):
                 r = bench.sync(sender, name, layout)
                 if bench.main:
                     got = list(clients[transport].weight_digest().values())
                     out[f"{name}_{layout}"] = {"digest_ok": got == [want], "first_sync_s": r["s"],
                                                "buckets": r["buckets"]}
+    if "ipc" in senders and bench.peers is None:  # in place, then the engine's kept mapping (ipc_keep) read again
+        for step in ("mapped", "kept"):
+            bench.perturb()
+            want = bench.digest()
+            bench.sync(senders["ipc"], "ipc", "bucketed")
+            if bench.main:
+                out[f"ipc_in_place_{step}"] = {"digest_ok": list(clients["ipc"].weight_digest().values()) == [want]}
     mine = bench.own_logprobs()
     for transport, client in clients.items():
         got = torch.tensor(client.prompt_logprobs(torch.as_tensor(PROBE).numpy()).copy(), dtype=torch.float64)
@@ -570,10 +582,11 @@ def report_lines(res: dict) -> list[str]:
     lines = [f"{res['tensors']} tensors, {res['bytes'] / 1e9:.2f} GB bf16, buckets {res['buckets']}",
              f"correctness: {json.dumps(res['correctness'])}",
              f"{'op/layout (median ms)':<24}{'total':>10}{'gather':>10}{'send':>10}{'accept':>10}{'answer':>10}"
-             "   engine: [signalled,] called, loading, loaded, done (ms into the sync)"]
+             "   engine: received, [signalled,] called, loading, [mapped, copying, copied,] loaded, done (ms into the sync)"]
     for k in sorted(res["medians_s"]):
         m = res["medians_s"][k]
-        engine = [m[f"engine_{f}_s"] for f in ("signalled", "called", "loading", "loaded", "done")
+        engine = [m[f"engine_{f}_s"] for f in ("received", "signalled", "called", "loading", "mapped", "copying",
+                                                "copied", "loaded", "done")
                   if f"engine_{f}_s" in m]
         lines.append(f"{k:<24}" + "".join(f"{m.get(f, 0) * 1e3:>10.1f}"
                                            for f in ("s", "gather_s", "send_s", "accept_s", "answer_s"))

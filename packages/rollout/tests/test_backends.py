@@ -139,3 +139,44 @@ def test_hf_copies_packed_buckets_as_words_and_a_parameter_of_another_dtype_by_v
     got = asyncio.run(scenario())
     assert len(sizes) > 1 and got[odd].dtype == torch.float64
     assert [n for n in names if not torch.equal(got[n].float(), want[n].float())] == []
+
+
+def test_hf_copies_the_senders_own_tensors_in_place_from_their_storages(models, tools):
+    """The hf engine's in-place cuda_ipc load (``ipc_pieces``): each tensor's bytes wherever they
+    lie in the sender's storages (here two flat host buffers standing in for the mapped ones, the
+    tensors in another order than the header's, 4-byte aligned only), copied into the parameters."""
+    import random
+
+    import torch
+
+    from treadle.common.records import WeightUpdate
+    from treadle.rollout.engine.hf_engine import HfEngine, HfEngineConfig
+
+    want = tools.checkpoint(models["b"])
+    names = sorted(want)
+    tensors = [want[n].float().reshape(-1) for n in names]
+    order = list(range(len(names)))
+    random.Random(0).shuffle(order)
+    storages = [torch.zeros(4, dtype=torch.uint8), torch.zeros(4, dtype=torch.uint8)]
+    pieces: list = [None] * len(names)
+    for j, i in enumerate(order):  # alternate storages, each tensor after a 4-byte gap
+        k = j % 2
+        at = storages[k].numel()
+        pieces[i] = (k, at, tensors[i].numel() * 4)
+        storages[k] = torch.cat([storages[k], tensors[i].view(torch.uint8), torch.zeros(4, dtype=torch.uint8)])
+    update = WeightUpdate(version=1, names=names, dtypes=["float32"] * len(names),
+                          shapes=[list(want[n].shape) for n in names], transport="cuda_ipc",
+                          ipc_handles=[b"h0", b"h1"], ipc_pieces=pieces)
+
+    async def scenario():
+        engine = HfEngine(HfEngineConfig(model=str(models["a"]), eos_token_ids=()))
+        await engine.start()
+        try:
+            engine._copy_pieces(update, storages)
+            params = dict(engine.model.named_parameters())
+            return {n: params[n].detach().clone() for n in names if n in params}
+        finally:
+            await engine.close()
+
+    got = asyncio.run(scenario())
+    assert len(got) > 1 and [n for n in got if not torch.equal(got[n].float(), want[n].float())] == []

@@ -31,6 +31,7 @@ from treadle.rollout.engine.weights import (
     pack_bucket,
     plan_buckets,
     send_order,
+    span_views,
     spec_from_checkpoint,
     unpack_bucket,
     word_views,
@@ -109,6 +110,20 @@ def test_word_views_cut_a_bucket_into_each_tensors_bytes_as_the_widest_word_that
     assert sum(byte_splits(dtypes, shapes)) == pack_bucket(even).numel()
     with pytest.raises(WeightMismatch, match=r"uint8\[\d+\], layout needs uint8\[\d+\]"):
         word_views(torch.cat([pack_bucket(even)] * 2), dtypes, shapes)
+
+
+def test_span_views_give_each_span_in_the_order_asked_overlaps_included():
+    flat = torch.arange(64, dtype=torch.uint8)
+    size, views = span_views(flat, [(40, 16), (0, 8), (16, 16)])  # out of order, with gaps
+    assert size == 8 and [v.view(torch.uint8).tolist() for v in views] == [
+        list(range(40, 56)), list(range(8)), list(range(16, 32))]
+    assert all(v.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr() for v in views)  # no copy
+    size, views = span_views(flat, [(0, 16), (8, 8), (20, 2)])  # one tensor's bytes under two names; 2-byte words
+    assert size == 2 and [v.view(torch.uint8).tolist() for v in views] == [
+        list(range(16)), list(range(8, 16)), [20, 21]]
+    assert span_views(flat[3:], [(1, 4)])[0] == 1  # the buffer's own offset counts
+    with pytest.raises(WeightMismatch, match="up to 72 do not lie inside a buffer of 64 bytes"):
+        span_views(flat, [(56, 16)])
 
 
 def _joined_pair(port: int) -> tuple[WeightGroup, WeightGroup]:

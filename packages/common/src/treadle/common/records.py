@@ -291,7 +291,14 @@ class WeightUpdate(Record):
     group: dict[str, Any] = {}
     """Collective transport: how to join the group (e.g. {"host", "port", "world_size", "rank"})."""
     ipc_handles: list[bytes] = []
-    """cuda_ipc transport: one serialized handle per bucket (torch.multiprocessing reductions)."""
+    """cuda_ipc transport: one serialized handle per bucket (torch.multiprocessing reductions), or
+    with ``ipc_pieces`` one per storage of the sender's own tensors."""
+    ipc_pieces: list[tuple[int, int, int]] = []
+    """cuda_ipc in place: per tensor, (handle index, byte offset, bytes) of the sender's memory
+    holding exactly its bytes (its trained parameter as it is: nothing packed); empty: buckets."""
+    ipc_keep: bool = False
+    """cuda_ipc in place: the sender keeps those storages alive and where they are until its next
+    update, so the engines may keep them mapped until then (their next load maps nothing)."""
     canary_token_ids: Array | None = None
     """int32 [C]: fixed prompt the engine scores after loading (optional)."""
     canary_logprobs: Array | None = None
@@ -315,6 +322,16 @@ class WeightUpdate(Record):
                     f"WeightUpdate.tensors[{i}] ({self.names[i]}) has shape {list(t.shape)}, "
                     f"header says {self.shapes[i]}"
                 )
+        if self.ipc_pieces:
+            if self.transport != "cuda_ipc" or len(self.ipc_pieces) != n:
+                raise ValueError(f"WeightUpdate.ipc_pieces: {len(self.ipc_pieces)} pieces for {n} tensors over "
+                                 f"{self.transport}; one per tensor, cuda_ipc only")
+            for i, (h, off, nbytes) in enumerate(self.ipc_pieces):
+                if not 0 <= h < len(self.ipc_handles) or off < 0 or nbytes < 0:
+                    raise ValueError(f"WeightUpdate.ipc_pieces[{i}] ({self.names[i]}) = {(h, off, nbytes)}: needs a "
+                                     f"handle index below {len(self.ipc_handles)} and offset, bytes >= 0")
+        if self.ipc_keep and not self.ipc_pieces:
+            raise ValueError("WeightUpdate.ipc_keep is for cuda_ipc updates in place (with ipc_pieces) only")
         if self.bucket_sizes and sum(self.bucket_sizes) != n:
             raise ValueError(f"WeightUpdate.bucket_sizes sum to {sum(self.bucket_sizes)}, expected {n}")
         check_native(self.group, "WeightUpdate.group")

@@ -92,6 +92,7 @@ class Engine(ABC):
         # a host): called (the update reached the engine), loading (drained and paused: the load
         # starts), loaded, done (canary checked); the daemon hands them to the sender
         self.last_load: dict[str, float] = {}
+        self._load_stamps: dict[str, float] = {}  # a backend's own stamps inside a load (set on its model thread)
         self._sleep: SleepState | None = None
         self._group: GroupSpec | None = None
         self._armed: _Armed | None = None
@@ -201,7 +202,7 @@ class Engine(ABC):
         async with self._control:
             self.check_update(update)
             buckets = len(bucket_ranges(update.bucket_sizes, len(update.names)))
-            if len(update.ipc_handles) != buckets:
+            if not update.ipc_pieces and len(update.ipc_handles) != buckets:
                 raise BadRequest(f"cuda_ipc update: {len(update.ipc_handles)} handles for {buckets} buckets")
             await self._check_ipc(update)
             await self._swap(update, mode, lambda: self._load_ipc(update), called)
@@ -492,6 +493,7 @@ class Engine(ABC):
 
     async def _loaded(self, update: WeightUpdate, load: Any, stamps: dict[str, float]) -> None:
         """Paused, gate closed: ``await load()``, resume, check the canary, bump the version."""
+        self._load_stamps = {}
         try:
             await load()
         except BaseException as e:
@@ -499,6 +501,7 @@ class Engine(ABC):
             raise
         finally:
             await self._resume()
+        stamps.update(self._load_stamps)
         stamps["loaded"] = time.time()
         await self._verify(update)
         self.last_load = {**stamps, "done": time.time()}

@@ -40,7 +40,9 @@ from treadle.rollout.engine.weights import (
     bucket_layout,
     bucket_ranges,
     model_eos_ids,
+    span_views,
     spec_from_checkpoint,
+    tensor_nbytes,
     word_dtype,
     word_views,
 )
@@ -132,6 +134,7 @@ class HfEngine(Engine):
         self._wgroup: WeightGroup | None = None
         self._uuid: str | None = None  # the GPU's UUID (``ipc.device_uuid``), read at start
         self._named: tuple[Any, dict[str, Any], dict[str, Any]] | None = None  # ``_targets``
+        self._mapped: _Mapped | None = None  # the sender's storages kept mapped (``ipc_keep``)
         self._eos: tuple[int, ...] = ()
         self._fallback = torch.Generator(device=self.device).manual_seed(config.seed)
         self.model: Any = None
@@ -172,6 +175,7 @@ class HfEngine(Engine):
         for row in self._running:  # the cancelled batch's samples still owe their consumers a result
             row.r.results.put_nowait(self._result(row.r, row.index, row.tokens, row.logprobs, "abort"))
         self._running = []
+        self._mapped = None
         if self._wgroup is not None:
             self._wgroup.close()
         self._pool.shutdown(wait=True)
@@ -369,6 +373,41 @@ class HfEngine(Engine):
             if dst:
                 torch._foreach_copy_(dst, src)
 
+    @torch.inference_mode()
+    def _copy_pieces(self, update: WeightUpdate, storages: list[torch.Tensor]) -> list[tuple[list, list]]:
+        """Copy ``update``'s tensors from the sender's own memory (``ipc_pieces``: each tensor's
+        bytes in one of the mapped ``storages``, flat uint8) into the model, as ``_copy_flats``
+        does from buckets: one split a storage (``span_views``), one multi-tensor copy a word size.
+        Returns the copies made, ``(destinations, sources)`` lists, to do again for the same
+        pieces of the same storages (``_Mapped``)."""
+        pairs = self._piece_pairs(update, storages)
+        _copy_pairs(pairs)
+        return pairs
+
+    def _piece_pairs(self, update: WeightUpdate, storages: list[torch.Tensor]) -> list[tuple[list, list]]:
+        targets, words = self._targets(), self._named[2]
+        skip = self.weight_spec.skip
+        spans: dict[int, list[int]] = collections.defaultdict(list)  # storage -> the tensors in it
+        for i, (k, _, _) in enumerate(update.ipc_pieces):
+            if update.names[i] not in skip:
+                spans[k].append(i)
+        # word size -> (destinations, sources); 0: typed copies (a parameter of another dtype)
+        pairs: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = collections.defaultdict(lambda: ([], []))
+        for k, idx in spans.items():
+            size, views = span_views(storages[k], [update.ipc_pieces[i][1:] for i in idx])
+            for i, piece in zip(idx, views, strict=True):
+                name, dtype = update.names[i], update.dtypes[i]
+                key = (name, dtype, size)
+                if key not in words:
+                    words[key] = _as_words(targets[name], dtype, size)
+                if words[key] is None:
+                    pairs[0][0].append(targets[name])
+                    pairs[0][1].append(piece.view(torch.uint8).view(getattr(torch, dtype)).view(targets[name].shape))
+                else:
+                    pairs[size][0].append(words[key])
+                    pairs[size][1].append(piece)
+        return list(pairs.values())
+
     def _targets(self) -> dict[str, torch.Tensor]:
         """The model's parameters and buffers by name, listed once (a walk of the module tree
         costs a few ms on a 1.5B model, ahead of the first bucket's receive); the same objects
@@ -384,6 +423,7 @@ class HfEngine(Engine):
         the views would still point into (and keep alive) the old one."""
         if self._named is not None:
             self._named[2].clear()
+        self._mapped = None  # its copies write into those views
 
     async def _load(self, update: WeightUpdate, tensors: list[Any]) -> None:
         await self._call(self._copy_in, [list(zip(update.names, tensors, strict=True))])
@@ -392,6 +432,15 @@ class HfEngine(Engine):
         from treadle.rollout.engine.ipc import check_colocated, loads
 
         handles = [loads(h) for h in update.ipc_handles]
+        if update.ipc_pieces:  # the sender's own tensors: each piece inside its storage, of its tensor's size
+            for i, (k, off, nbytes) in enumerate(update.ipc_pieces):
+                need = tensor_nbytes(update.dtypes[i], update.shapes[i])
+                if nbytes != need or off + nbytes > handles[k].numel:
+                    raise WeightMismatch(f"cuda_ipc piece of {update.names[i]}: {nbytes} bytes at {off} of a "
+                                         f"{handles[k].numel}-byte storage; the tensor has {need}")
+            for h in {h.device_uuid: h for h in handles}.values():  # one per GPU
+                check_colocated(h, self.device, mine=self._uuid)
+            return
         offsets = bucket_ranges(update.bucket_sizes, len(update.names))
         for h, (lo, hi) in zip(handles, offsets, strict=True):
             need = bucket_layout(update.dtypes[lo:hi], update.shapes[lo:hi])[1]
@@ -403,18 +452,37 @@ class HfEngine(Engine):
 
     @torch.inference_mode()
     def _copy_ipc(self, update: WeightUpdate) -> None:
-        """Map the sender's buckets, copy their tensors into the model, wait, unmap."""
+        """Map the sender's buckets or storages, copy their tensors into the model, wait, unmap;
+        or, for an in-place update the sender lets us keep (``ipc_keep``), keep them mapped with
+        the copies' views (``_Mapped``), and map nothing the next time the same handles come."""
         from treadle.rollout.engine.ipc import open_handles
 
+        kept, self._mapped = self._mapped, None
+        if kept is not None and kept.handles != update.ipc_handles:
+            kept = None  # other storages: unmapped here (the last reference to the old ones)
         flats: list[torch.Tensor] = []
+        done = False
         try:
-            flats.extend(open_handles(update.ipc_handles, self.device))
-            self._copy_flats(update, flats)
+            flats.extend(kept.storages if kept is not None else open_handles(update.ipc_handles, self.device))
+            self._load_stamps["mapped"] = time.time()
+            if kept is not None and kept.names == update.names and kept.pieces == update.ipc_pieces:
+                pairs = kept.pairs
+                _copy_pairs(pairs)
+            elif update.ipc_pieces:
+                pairs = self._copy_pieces(update, flats)
+            else:
+                self._copy_flats(update, flats)
+            self._load_stamps["copying"] = time.time()  # the copies are queued
+            done = True
         finally:
             # The copies run asynchronously: they must have read the sender's memory before it is
             # unmapped (the last reference dropped) and before we answer (the sender reuses it).
             torch.cuda.synchronize(self.device)
-            flats.clear()
+            self._load_stamps["copied"] = time.time()
+            if done and update.ipc_pieces and update.ipc_keep:
+                self._mapped = _Mapped(handles=list(update.ipc_handles), storages=flats, names=update.names,
+                                       pieces=update.ipc_pieces, pairs=pairs)
+            flats = []
 
     async def _load_ipc(self, update: WeightUpdate) -> None:
         await self._call(self._copy_ipc, update)
@@ -488,6 +556,31 @@ class HfEngine(Engine):
 
     def _load_counts(self) -> tuple[int, int]:
         return len(self._running), sum(r.req.sampling.n for r in self._queue)
+
+
+@dataclass(slots=True, kw_only=True)
+class _Mapped:
+    """A sender's storages kept mapped after an in-place update that allows it
+    (``WeightUpdate.ipc_keep``: the sender keeps them alive and in place until its next update),
+    with the copies made from them: the next update of the same handles, names and pieces maps
+    nothing and makes no views. Dropped at any other update, at sleep and wake (the copies'
+    destinations move) and at close; dropping it unmaps the storages."""
+
+    handles: list[bytes]
+    storages: list[torch.Tensor]
+    names: list[str]
+    pieces: list[tuple[int, int, int]]
+    pairs: list[tuple[list, list]]
+
+
+def _copy_pairs(pairs: list[tuple[list, list]]) -> None:
+    """Run ``_piece_pairs``' copies: a multi-tensor copy a word size (typed copies one by one)."""
+    for dst, src in pairs:
+        if dst and dst[0].dtype == src[0].dtype and all(d.dtype == src[0].dtype for d in dst):
+            torch._foreach_copy_(dst, src)
+        else:
+            for d, t in zip(dst, src, strict=True):
+                d.copy_(t)
 
 
 def _as_words(t: torch.Tensor, dtype: str, size: int) -> torch.Tensor | None:

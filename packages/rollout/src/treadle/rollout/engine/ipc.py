@@ -20,6 +20,7 @@ What this module does not do: decide buckets or layouts (``weights``), or load t
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -131,6 +132,35 @@ def encode_buckets(buffer: torch.Tensor, spans: list[tuple[int, int]]) -> list[b
     rebuild, args = reduce_tensor(buffer)
     base = handle_from_reduction(rebuild, args, device_uuid(buffer.device))
     return [dumps(msgspec.structs.replace(base, numel=n, tensor_offset=base.tensor_offset + off)) for off, n in spans]
+
+
+def share_storages(tensors: Sequence[torch.Tensor], kept: dict[int, tuple[Any, bytes]]
+                   ) -> tuple[dict[int, tuple[Any, bytes]], list[bytes], list[tuple[int, int, int]]]:
+    """``(kept, handles, pieces)``: one handle (``encode_buckets`` of the whole storage, a flat
+    uint8 view of it) per distinct storage of the CUDA ``tensors``, and per tensor ``(handle
+    index, byte offset, bytes)`` of its bytes there (``tensors`` contiguous; pass exact views).
+
+    ``kept`` is the previous call's ``data_ptr -> (storage, handle)``: a storage still used, of
+    the same size, keeps its handle, so a share is made once per storage and the handle stays the
+    same (the storage is kept alive meanwhile). The returned map holds this call's storages only;
+    drop it to release them."""
+    import torch
+
+    shared: dict[int, tuple[Any, bytes]] = {}
+    index: dict[int, int] = {}
+    pieces = []
+    for t in tensors:
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr not in shared:
+            old = kept.get(ptr)
+            if old is None or old[0].nbytes() != storage.nbytes():
+                flat = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
+                old = (storage, encode_buckets(flat, [(0, storage.nbytes())])[0])
+            shared[ptr] = old
+            index[ptr] = len(index)
+        pieces.append((index[ptr], t.storage_offset() * t.element_size(), t.numel() * t.element_size()))
+    return shared, [h for _, h in shared.values()], pieces
 
 
 def check_colocated(handle: IpcHandle, device: torch.device, mine: str | None = None) -> None:

@@ -255,19 +255,48 @@ def byte_splits(dtypes: Sequence[str], shapes: Sequence[Sequence[int]]) -> list[
 def word_views(flat: torch.Tensor, dtypes: Sequence[str],
                shapes: Sequence[Sequence[int]]) -> tuple[int, list[torch.Tensor]]:
     """``(size, views)``: each tensor's bytes in the bucket ``flat`` (uint8, ``bucket_layout``) as
-    a 1-d view of integer words of ``size`` bytes, the widest of 8, 4, 2, 1 that divides every
-    piece (``byte_splits``) and the buffer's offset; from one ``split`` call. For loaders that
-    copy a bucket's bytes into their tensors' bytes (the same dtypes): ``unpack_bucket``'s typed,
-    shaped views cost three view calls a tensor, which on an H200 took longer (1.9 ms for a 1.5B
-    model's 338 tensors) than copying the bytes (1.5 ms); and a multi-tensor copy of 8-byte words
-    ran faster there than of 2-byte bf16 elements or single bytes (2.0 / 2.3 / 3.4 ms)."""
+    a 1-d view of integer words (``span_views``). For loaders that copy a bucket's bytes into
+    their tensors' bytes (the same dtypes): ``unpack_bucket``'s typed, shaped views cost three
+    view calls a tensor, which on an H200 took longer (1.9 ms for a 1.5B model's 338 tensors)
+    than copying the bytes (1.5 ms); and a multi-tensor copy of 8-byte words ran faster there
+    than of 2-byte bf16 elements or single bytes (2.0 / 2.3 / 3.4 ms)."""
     import torch
 
     splits = byte_splits(dtypes, shapes)
     if flat.dtype != torch.uint8 or flat.dim() != 1 or flat.numel() != sum(splits):
         raise WeightMismatch(f"bucket buffer is {flat.dtype}{list(flat.shape)}, layout needs uint8[{sum(splits)}]")
-    size = next(w for w in (8, 4, 2, 1) if flat.storage_offset() % w == 0 and all(n % w == 0 for n in splits))
-    return size, list(flat.view(word_dtype(size)).split([n // size for n in splits])[1::2])
+    offsets = bucket_layout(dtypes, shapes)[0]
+    return span_views(flat, [(o, n) for o, n in zip(offsets, splits[1::2], strict=True)])
+
+
+def span_views(flat: torch.Tensor, spans: Sequence[tuple[int, int]]) -> tuple[int, list[torch.Tensor]]:
+    """``(size, views)``: the byte spans ``(offset, bytes)`` of ``flat`` (1-d uint8) as 1-d views
+    of integer words of ``size`` bytes, the widest of 8, 4, 2, 1 that divides every span's offset
+    and length and ``flat``'s own offset; in the order given. Spans that do not overlap come from
+    one ``split`` call (one view call a span costs more host time than a load's copies take on a
+    GPU); overlapping ones (one tensor's bytes sent under two names) are sliced one by one."""
+    import torch
+
+    if flat.dtype != torch.uint8 or flat.dim() != 1:
+        raise WeightMismatch(f"expected a flat uint8 buffer, got {flat.dtype}{list(flat.shape)}")
+    end = max((o + n for o, n in spans), default=0)
+    if any(o < 0 or n < 0 for o, n in spans) or end > flat.numel():
+        raise WeightMismatch(f"byte spans up to {end} do not lie inside a buffer of {flat.numel()} bytes")
+    size = next(w for w in (8, 4, 2, 1) if flat.storage_offset() % w == 0 and all(o % w == 0 and n % w == 0
+                                                                                 for o, n in spans))
+    words = flat[:end].view(word_dtype(size))
+    order = sorted(range(len(spans)), key=lambda i: spans[i][0])
+    cuts, at = [], 0
+    for i in order:
+        o, n = spans[i]
+        if o < at:  # overlaps the one before
+            return size, [words[o // size:(o + n) // size] for o, n in spans]
+        cuts += [(o - at) // size, n // size]
+        at = o + n
+    out: list[Any] = [None] * len(spans)
+    for i, view in zip(order, words.split([*cuts, (end - at) // size])[1::2], strict=True):
+        out[i] = view
+    return size, out
 
 
 def word_dtype(size: int) -> torch.dtype:

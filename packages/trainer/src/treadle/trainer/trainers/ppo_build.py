@@ -250,7 +250,8 @@ def sender(parts: PPOParts) -> Any:
         log.warning(why)
     conf = SenderConfig(transport=transport, backend=backend, bucket_bytes=cfg.vllm.bucket_mb << 20,
                         dtype=DTYPES[cfg.ds.param_dtype], mode="abort" if cfg.train.partial_rollout_enable else "wait",
-                        host=cfg.vllm.sync_host, peer_reads=cfg.vllm.sync_peer_reads, arm=cfg.vllm.sync_arm)
+                        host=cfg.vllm.sync_host, peer_reads=cfg.vllm.sync_peer_reads, arm=cfg.vllm.sync_arm,
+                        ipc_keep=not cfg.ds.enable_sleep)  # offloaded parameters must not stay mapped
     return WeightSender(parts.actor, config=conf, client=parts.sync_client, zero_stage=cfg.ds.zero_stage,
                         is_main=parts.dist.is_main)
 

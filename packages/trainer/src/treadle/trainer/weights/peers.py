@@ -157,24 +157,11 @@ class PeerReads:
     # ------------------------------------------------------------------ internals
 
     def _share(self, params: Sequence[torch.Tensor]) -> _Share:
-        from treadle.rollout.engine.ipc import device_uuid, encode_buckets  # noqa: PLC0415
+        from treadle.rollout.engine.ipc import device_uuid, share_storages  # noqa: PLC0415
 
-        shared, index, pieces = {}, {}, []
-        for p in params:
-            t = p.ds_tensor
-            storage = t.untyped_storage()
-            ptr = storage.data_ptr()
-            if ptr not in shared:
-                old = self._shared.get(ptr)
-                if old is None or old[0].nbytes() != storage.nbytes():
-                    flat = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
-                    old = (storage, encode_buckets(flat, [(0, storage.nbytes())])[0])
-                shared[ptr] = old
-                index[ptr] = len(index)
-            pieces.append((index[ptr], t.storage_offset() * t.element_size(), t.numel() * t.element_size()))
-        self._shared = shared  # storages no parameter uses any more are released
-        return _Share(uuid=device_uuid(params[0].ds_tensor.device), storages=[h for _, h in shared.values()],
-                      pieces=pieces)
+        # storages no parameter uses any more are released
+        self._shared, storages, pieces = share_storages([p.ds_tensor for p in params], self._shared)
+        return _Share(uuid=device_uuid(params[0].ds_tensor.device), storages=storages, pieces=pieces)
 
     def _locate(self, params: Sequence[torch.Tensor], shares: list[_Share]) -> dict[int, list[Piece]]:
         """id(param) -> where each other rank's partition of it lies: (that rank's storage mapped

@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import math
 import socket
 import time
 from dataclasses import dataclass, field
@@ -70,7 +71,7 @@ from treadle.common.log import get_logger
 from treadle.common.records import WeightUpdate
 from treadle.rollout.client import WeightGroupStale
 from treadle.rollout.engine.group import GroupSpec, WeightGroup
-from treadle.rollout.engine.ipc import encode_buckets
+from treadle.rollout.engine.ipc import encode_buckets, share_storages
 from treadle.rollout.engine.weights import bucket_ranges, plan_buckets, send_order
 from treadle.trainer.weights.gather import (
     Item,
@@ -132,6 +133,12 @@ class SenderConfig:
     # and tensors larger than a bucket are sent last, so that the first broadcast starts after packing a
     # few MB, not a full bucket (``plan_buckets``, ``send_order``); 0: full buckets in the model's order.
     # Off until measured on GPUs (docs/benchmarks.md, GPU weight sync, eighth run)
+    ipc_in_place: bool = True  # cuda_ipc: when every tensor is a parameter as it lies in rank 0's memory
+    # (no LoRA merge, the engines' dtype; ZeRO-0/1/2, or ZeRO-3 on one rank, whose partitions are the whole
+    # tensors) the engines copy straight from that memory: nothing is packed (``_in_place``)
+    ipc_keep: bool = True  # cuda_ipc in place: the engines keep rank 0's parameter memory mapped from one
+    # sync to the next (their next load maps nothing); off when the trainer frees that memory between syncs
+    # (--ds.enable_sleep: kept mapped, it could not be freed)
     arm: bool = False  # collective transport, synchronous RL: arm the engines for the next sync after each
     # rollout (``WeightSender.arm``): they pause while the trainer trains and receive the first bucket on rank
     # 0's signal over the group's store, without waiting for the update's request to reach them
@@ -178,8 +185,9 @@ class SyncReport:
     updated: list[str]  # engine ids that loaded the version (rank 0; empty elsewhere)
     failed: list[str]  # engine ids that did not (rank 0; empty elsewhere)
     # rank 0: per engine that loaded it, seconds from the start of ``sync`` until the update
-    # reached the engine (called), its load started (loading: drained, paused), ended (loaded)
-    # and the canary was checked (done); wall clocks of two hosts, so only as good as their sync
+    # reached the daemon's front end (received) and the engine (called), its load started
+    # (loading: drained, paused), ended (loaded) and the canary was checked (done); wall clocks
+    # of two hosts, so only as good as their sync
     engine_seconds: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
@@ -232,6 +240,8 @@ class WeightSender:
         self._buffers: list[torch.Tensor] = []
         self._stream: Any = None  # rank 0, GPU: the CUDA stream the broadcasts run on
         self._ipc_buffer: torch.Tensor | None = None
+        self._ipc_shared: dict[int, tuple[Any, bytes]] = {}  # cuda_ipc in place: the storages shared, their handles
+        self._placed: tuple[Any, ...] | None = None  # cuda_ipc in place: (plan, its memory, ``_in_place``'s answer)
         self._outcomes: Any = False  # the gloo group outcomes are shared over; False: not made yet
         self._peers: PeerReads | None = None
         self._kept = Kept()  # rank 0's grids and views, from one sync to the next
@@ -302,7 +312,7 @@ class WeightSender:
         storage alive). For a trainer about to offload its states while colocated engines generate
         (--ds.enable_sleep): kept, they would pin that GPU memory. Every rank calls it (each drops
         its own); the next sync makes them again (the peers' shares are exchanged anew)."""
-        self._buffers, self._ipc_buffer, self._kept = [], None, Kept()
+        self._buffers, self._ipc_buffer, self._kept, self._ipc_shared, self._placed = [], None, Kept(), {}, None
         if self._peers is not None:
             self._peers.close()
 
@@ -315,7 +325,7 @@ class WeightSender:
             with contextlib.suppress(Exception):
                 self._client.leave_weight_group()
         self._drop_group()
-        self._buffers, self._ipc_buffer = [], None
+        self._buffers, self._ipc_buffer, self._ipc_shared, self._placed = [], None, {}, None
         if self._peers is not None:
             self._peers.close()
 
@@ -395,6 +405,9 @@ class WeightSender:
         return answer, 1, gather_s, send_s
 
     def _sync_ipc(self, version: int, items: list[Item], canary: np.ndarray | None) -> tuple:
+        shared = self._in_place(items)
+        if shared is not None:
+            return self._sync_in_place(version, items, canary, shared)
         sizes = self._layout(items).sizes
         spans: list[tuple[int, int]] = []  # (offset, bytes) of each bucket in the buffer
         failed: list[Exception] = []  # a packing error: finish the walk (the other ranks' gathers), then fail
@@ -428,6 +441,58 @@ class WeightSender:
             send_s = time.perf_counter() - start
         raise_outcome(self._share(err), err, version)
         return answer, len(sizes), gather_s, send_s
+
+    def _in_place(self, items: list[Item]) -> tuple[list[bytes], list[tuple[int, int, int]]] | None:
+        """cuda_ipc with ``ipc_in_place``, rank 0: the handles of the storages holding ``items``'
+        bytes and each item's place in them (``share_storages``), when every item is one parameter
+        as it is (no LoRA merge, no 4-bit weight), in the sent dtype, contiguous on this GPU, and
+        whole (not ZeRO-3 on several ranks, whose partitions are slices); else None: pack. Every
+        rank gets the same answer where it matters: under ZeRO-3 this path needs one rank, and
+        otherwise the other ranks do nothing. The answer is kept while the plan and the memory
+        its tensors lie in stay the same (the checks and views cost ~10 us a tensor: 3 ms a
+        sync on a 1.5B model)."""
+        if not (self.config.ipc_in_place and self._is_main):
+            return None
+        if self._zero3 and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            return None
+        own = [p.ds_tensor if self._zero3 and hasattr(p, "ds_id") else p for p in (it.sources[0] for it in items)]
+        ptrs = [t.data_ptr() for t in own]
+        if self._placed is None or self._placed[0] is not items or self._placed[1] != ptrs:
+            self._placed = (items, ptrs, self._share_in_place(items, own))
+        return self._placed[2]
+
+    def _share_in_place(self, items: list[Item], own: list[torch.Tensor]
+                        ) -> tuple[list[bytes], list[tuple[int, int, int]]] | None:
+        sources = []
+        for it, t in zip(items, own, strict=True):
+            if it.merge is not None or len(it.sources) != 1 or getattr(it.sources[0], "quant_state", None) is not None:
+                return None
+            n = math.prod(it.shape)
+            if t.dtype != it.dtype or t.device != self._device or not t.is_contiguous() or t.numel() < n:
+                return None
+            sources.append(t.detach().view(-1)[:n])
+        self._ipc_shared, handles, pieces = share_storages(sources, self._ipc_shared)
+        return handles, pieces
+
+    def _sync_in_place(self, version: int, items: list[Item], canary: np.ndarray | None,
+                       shared: tuple[list[bytes], list[tuple[int, int, int]]]) -> tuple:
+        """The cuda_ipc sync with nothing packed: rank 0 sends the ``shared`` storages of its
+        parameters (shared once, while they stay where they are) and each tensor's place in them;
+        the engines copy from there and unmap before they answer, and the parameters are not
+        touched until then (``sync`` returns first)."""
+        start = time.perf_counter()
+        torch.cuda.current_stream().synchronize()  # the optimizer's writes are done before another process reads
+        answer, err = None, None
+        try:
+            update = self._header(version, items, canary, handles=shared[0], pieces=shared[1],
+                                  keep=self.config.ipc_keep)
+            gather_s = time.perf_counter() - start
+            answer = self._client.update_weights(update, mode=self.config.mode)
+        except Exception as e:
+            err, gather_s = e, time.perf_counter() - start
+        send_s = time.perf_counter() - start - gather_s
+        raise_outcome(self._share(err), err, version)
+        return answer, 1, gather_s, send_s
 
     def _produce(self, items: list[Item], sizes: list[int], transfer: Transfer | None,
                  peers: PeerReads | None = None) -> float:
@@ -536,7 +601,7 @@ class WeightSender:
 
     def _header(self, version: int, items: list[Item], canary: np.ndarray | None, *, sizes: list[int] = (),
                 group: dict[str, Any] | None = None, tensors: list[torch.Tensor] = (),
-                handles: list[bytes] = ()) -> WeightUpdate:
+                handles: list[bytes] = (), pieces: list[tuple[int, int, int]] = (), keep: bool = False) -> WeightUpdate:
         extra: dict[str, Any] = {}
         if canary is not None:
             extra = {"canary_token_ids": np.asarray(self.config.canary_token_ids, dtype=np.int32),
@@ -545,7 +610,7 @@ class WeightSender:
         return WeightUpdate(version=version, names=laid.names, dtypes=laid.dtypes, shapes=laid.shapes,
                             transport=self.config.transport,
                             bucket_sizes=list(sizes), group=group or {}, tensors=list(tensors),
-                            ipc_handles=list(handles), **extra)
+                            ipc_handles=list(handles), ipc_pieces=list(pieces), ipc_keep=keep, **extra)
 
     def _layout(self, items: list[Item]) -> _Layout:
         """``items``' buckets and header lists, made once per plan (the kept plan is the same
