@@ -351,62 +351,53 @@ class HfEngine(Engine):
         """Copy ``update``'s packed buckets (flat uint8 ``bucket_layout`` buffers; may be lazy:
         buckets still arriving) into the model: each bucket is cut into its tensors' bytes by one
         split (``word_views``, as 8-byte words where the sizes allow) and copied into the
-        parameters' bytes, seen as the same words, by one multi-tensor copy. A parameter of
-        another dtype than the header's, or whose bytes cannot be seen as those words (not
-        expected: the header was checked against the engine's), is copied through a typed view."""
-        targets, words = self._targets(), self._named[2]
-        skip = self.weight_spec.skip
+        parameters' bytes, seen as the same words, by one multi-tensor copy (``_word_pairs``)."""
         for (lo, hi), flat in zip(bucket_ranges(update.bucket_sizes, len(update.names)), flats, strict=True):
             size, pieces = word_views(flat, update.dtypes[lo:hi], update.shapes[lo:hi])
-            dst, src = [], []
-            for name, dtype, piece in zip(update.names[lo:hi], update.dtypes[lo:hi], pieces, strict=True):
-                if name in skip:
-                    continue
-                key = (name, dtype, size)
-                if key not in words:
-                    words[key] = _as_words(targets[name], dtype, size)
-                if words[key] is None:
-                    targets[name].copy_(piece.view(torch.uint8).view(getattr(torch, dtype)).view(targets[name].shape))
-                else:
-                    dst.append(words[key])
-                    src.append(piece)
-            if dst:
-                torch._foreach_copy_(dst, src)
+            pairs: _Pairs = {}
+            self._word_pairs(pairs, size, range(lo, hi), pieces, update)
+            _copy_pairs(pairs)
 
     @torch.inference_mode()
-    def _copy_pieces(self, update: WeightUpdate, storages: list[torch.Tensor]) -> list[tuple[list, list]]:
+    def _copy_pieces(self, update: WeightUpdate, storages: list[torch.Tensor]) -> _Pairs:
         """Copy ``update``'s tensors from the sender's own memory (``ipc_pieces``: each tensor's
         bytes in one of the mapped ``storages``, flat uint8) into the model, as ``_copy_flats``
         does from buckets: one split a storage (``span_views``), one multi-tensor copy a word size.
-        Returns the copies made, ``(destinations, sources)`` lists, to do again for the same
-        pieces of the same storages (``_Mapped``)."""
-        pairs = self._piece_pairs(update, storages)
-        _copy_pairs(pairs)
-        return pairs
-
-    def _piece_pairs(self, update: WeightUpdate, storages: list[torch.Tensor]) -> list[tuple[list, list]]:
-        targets, words = self._targets(), self._named[2]
-        skip = self.weight_spec.skip
+        Returns the copies made, to do again for the same pieces of the same storages (``_Mapped``)."""
         spans: dict[int, list[int]] = collections.defaultdict(list)  # storage -> the tensors in it
+        skip = self.weight_spec.skip  # left out before the split: a tied name's bytes may overlap its twin's
         for i, (k, _, _) in enumerate(update.ipc_pieces):
             if update.names[i] not in skip:
                 spans[k].append(i)
-        # word size -> (destinations, sources); 0: typed copies (a parameter of another dtype)
-        pairs: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = collections.defaultdict(lambda: ([], []))
+        pairs: _Pairs = {}
         for k, idx in spans.items():
             size, views = span_views(storages[k], [update.ipc_pieces[i][1:] for i in idx])
-            for i, piece in zip(idx, views, strict=True):
-                name, dtype = update.names[i], update.dtypes[i]
-                key = (name, dtype, size)
-                if key not in words:
-                    words[key] = _as_words(targets[name], dtype, size)
-                if words[key] is None:
-                    pairs[0][0].append(targets[name])
-                    pairs[0][1].append(piece.view(torch.uint8).view(getattr(torch, dtype)).view(targets[name].shape))
-                else:
-                    pairs[size][0].append(words[key])
-                    pairs[size][1].append(piece)
-        return list(pairs.values())
+            self._word_pairs(pairs, size, idx, views, update)
+        _copy_pairs(pairs)
+        return pairs
+
+    def _word_pairs(self, pairs: _Pairs, size: int, indices: Iterable[int], pieces: Iterable[torch.Tensor],
+                    update: WeightUpdate) -> None:
+        """Add to ``pairs`` the copies of ``update``'s tensors ``indices``, whose bytes are
+        ``pieces`` (``size``-byte words), into the parameters' bytes seen as the same words (views
+        made once per model, ``_named[2]``). A parameter of another dtype than the header's, or
+        whose bytes cannot be seen as those words (not expected: the header was checked against
+        the engine's), gets a typed copy (``pairs[0]``). Tied names (``skip``) get none."""
+        targets, words, skip = self._targets(), self._named[2], self.weight_spec.skip
+        for i, piece in zip(indices, pieces, strict=True):
+            name, dtype = update.names[i], update.dtypes[i]
+            if name in skip:
+                continue
+            key = (name, dtype, size)
+            if key not in words:
+                words[key] = _as_words(targets[name], dtype, size)
+            dst, src = pairs.setdefault(0 if words[key] is None else size, ([], []))
+            if words[key] is None:
+                dst.append(targets[name])
+                src.append(piece.view(torch.uint8).view(getattr(torch, dtype)).view(targets[name].shape))
+            else:
+                dst.append(words[key])
+                src.append(piece)
 
     def _targets(self) -> dict[str, torch.Tensor]:
         """The model's parameters and buffers by name, listed once (a walk of the module tree
@@ -558,6 +549,10 @@ class HfEngine(Engine):
         return len(self._running), sum(r.req.sampling.n for r in self._queue)
 
 
+_Pairs = dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]]
+"""A load's copies: word size -> (destinations, sources); 0: typed copies, one by one."""
+
+
 @dataclass(slots=True, kw_only=True)
 class _Mapped:
     """A sender's storages kept mapped after an in-place update that allows it
@@ -570,13 +565,13 @@ class _Mapped:
     storages: list[torch.Tensor]
     names: list[str]
     pieces: list[tuple[int, int, int]]
-    pairs: list[tuple[list, list]]
+    pairs: _Pairs
 
 
-def _copy_pairs(pairs: list[tuple[list, list]]) -> None:
-    """Run ``_piece_pairs``' copies: a multi-tensor copy a word size (typed copies one by one)."""
-    for dst, src in pairs:
-        if dst and dst[0].dtype == src[0].dtype and all(d.dtype == src[0].dtype for d in dst):
+def _copy_pairs(pairs: _Pairs) -> None:
+    """Run ``_word_pairs``' copies: one multi-tensor copy a word size, the typed ones one by one."""
+    for size, (dst, src) in pairs.items():
+        if size:
             torch._foreach_copy_(dst, src)
         else:
             for d, t in zip(dst, src, strict=True):

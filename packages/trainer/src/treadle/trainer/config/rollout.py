@@ -90,8 +90,9 @@ class VLLMConfig:
     """GPUs per engine (tensor parallel)."""
     sync_backend: Literal["nccl", "gloo", "cuda_ipc"] = "nccl"
     """How new weights reach the engines: a broadcast over NCCL or gloo (gloo on CPU), or
-    cuda_ipc: engines on rank 0's GPU map its packed buckets and copy from them (the hf
-    backend; NCCL cannot hold two processes of one GPU in a group)."""
+    cuda_ipc: engines on rank 0's GPU map its parameters (where they are whole there; else its
+    packed buckets) and copy from them (the hf backend; NCCL cannot hold two processes of one GPU
+    in a group)."""
     sync_with_ray: bool = False
     """Send weights through Ray's object store instead of a collective."""
     enable_prefix_caching: bool = False

@@ -261,7 +261,7 @@ def sync_route(cfg: PPOConfig, *, cuda: bool) -> tuple[str, str, str]:
     (pure; ``why`` says what was changed, else ""). On CPU: gloo. With ``--train.colocate_all`` on
     CUDA the engines share the trainer's GPUs, rank 0's among them, and NCCL refuses a group
     holding two processes of one GPU ("Duplicate GPU detected"): nccl becomes gloo there.
-    cuda_ipc: engines on rank 0's GPU map its packed buckets (needs CUDA, no arming, and for a
+    cuda_ipc: engines on rank 0's GPU map its parameters or packed buckets (needs CUDA, no arming, and for a
     daemon started here one hf engine)."""
     backend, why = cfg.vllm.sync_backend, ""
     if backend == "cuda_ipc":
