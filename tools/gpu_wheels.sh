@@ -5,7 +5,7 @@
 #     bash tools/gpu_wheels.sh DIR [--fa4]
 #
 # The GPU machine (Python 3.12, torch 2.11 CUDA 13, transformers, numpy, msgpack, pyyaml, psutil,
-# ninja, peft, pandas, pyarrow, ...) lacks treadle-common's msgspec, pyzmq and tyro, DeepSpeed with
+# ninja, peft, pandas, pyarrow, ...) lacks treadle-common's msgspec, pyzmq, tyro and uvloop, DeepSpeed with
 # its pure-Python needs, and datasets (the trainers' data files) with its own. Versions are those
 # of this checkout's .venv (`make venv`), so both machines
 # run the same code; DeepSpeed is built here as a pure-Python wheel (its CUDA ops JIT-build there).
@@ -33,7 +33,7 @@ fetch() {  # DEST REQUIREMENT...
 }
 # shellcheck disable=SC2046 # one word per requirement
 fetch "$DIR" $(pinned msgspec pyzmq tyro docstring-parser typeguard typing-extensions hjson pydantic \
-  pydantic-core annotated-types typing-inspection py-cpuinfo einops datasets dill multiprocess xxhash fsspec)
+  pydantic-core annotated-types typing-inspection py-cpuinfo einops datasets dill multiprocess xxhash fsspec uvloop)
 ls "$DIR"/deepspeed-*.whl >/dev/null 2>&1 ||
   DS_BUILD_OPS=0 "$PY" -m pip wheel -q --no-deps --no-build-isolation -w "$DIR" "$(pinned deepspeed)"
 if [ "${2:-}" = "--fa4" ]; then
