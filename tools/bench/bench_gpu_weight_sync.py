@@ -272,6 +272,12 @@ class Bench:
                 with torch.no_grad():
                     p.ds_tensor.add_(0.125)
 
+    def overwrite(self) -> None:
+        """Write every partition at once (as an optimizer step would), on the current stream."""
+        with torch.no_grad():
+            for p in self.engine.module.parameters():
+                p.ds_tensor.mul_(0.5)
+
     # -- a treadle sync
 
     def sync(self, sender, name: str, layout: str) -> dict:  # noqa: ANN001
@@ -295,6 +301,7 @@ class Bench:
         self.barrier()
         start = time.perf_counter()
         r = sender.sync(self.versions[daemon])
+        self.sync_device()  # until the engine's copies are done: an early answer (ipc_event) leaves them running
         stamps = next(iter(r.engine_seconds.values()), {})  # one engine: when the update reached it, ...
         return {"s": time.perf_counter() - start, "gather_s": r.gather_seconds, "send_s": r.send_seconds,
                 "accept_s": r.accept_seconds, "answer_s": r.answer_seconds, "buckets": r.buckets,
@@ -383,13 +390,21 @@ def correctness(bench: Bench, senders: dict, clients: dict) -> dict:
                     got = list(clients[transport].weight_digest().values())
                     out[f"{name}_{layout}"] = {"digest_ok": got == [want], "first_sync_s": r["s"],
                                                "buckets": r["buckets"]}
-    if "ipc" in senders and bench.peers is None:  # in place, then the engine's kept mapping (ipc_keep) read again
-        for step in ("mapped", "kept"):
+    if "ipc" in senders and bench.peers is None:  # in place, then the engine's kept mapping (ipc_keep) read again,
+        # then once more with every parameter written as soon as the sync returns: the engine answered
+        # before its copies finished (ipc_event), so only the wait on its event keeps them from reading that
+        for step in ("mapped", "kept", "raced"):
             bench.perturb()
             want = bench.digest()
-            bench.sync(senders["ipc"], "ipc", "bucketed")
+            if step == "raced":
+                senders["ipc"].sync(bench.versions["ipc"] + 1)
+                bench.versions["ipc"] += 1
+                bench.overwrite()
+            else:
+                bench.sync(senders["ipc"], "ipc", "bucketed")
             if bench.main:
                 out[f"ipc_in_place_{step}"] = {"digest_ok": list(clients["ipc"].weight_digest().values()) == [want]}
+        bench.sync(senders["ipc"], "ipc", "bucketed")  # the engine holds the trainer's weights again
     mine = bench.own_logprobs()
     for transport, client in clients.items():
         got = torch.tensor(client.prompt_logprobs(torch.as_tensor(PROBE).numpy()).copy(), dtype=torch.float64)

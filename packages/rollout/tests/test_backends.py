@@ -141,10 +141,14 @@ def test_hf_copies_packed_buckets_as_words_and_a_parameter_of_another_dtype_by_v
     assert [n for n in names if not torch.equal(got[n].float(), want[n].float())] == []
 
 
-def test_hf_copies_the_senders_own_tensors_in_place_from_their_storages(models, tools):
+@pytest.mark.parametrize("gap", [4, 2])
+def test_hf_copies_the_senders_own_tensors_in_place_from_their_storages(models, ref, tools, gap):
     """The hf engine's in-place cuda_ipc load (``ipc_pieces``): each tensor's bytes wherever they
     lie in the sender's storages (here two flat host buffers standing in for the mapped ones, the
-    tensors in another order than the header's, 4-byte aligned only), copied into the parameters."""
+    tensors in another order than the header's), copied into the parameters. With 4-byte gaps
+    (fp32 aligned) the engine lays its parameters out as the storages are (``_mirrored``) and
+    the next load of new bytes in the same places is one copy a storage; with 2-byte gaps
+    (unaligned for fp32) it copies tensor by tensor, as 2-byte words."""
     import random
 
     import torch
@@ -157,26 +161,75 @@ def test_hf_copies_the_senders_own_tensors_in_place_from_their_storages(models, 
     tensors = [want[n].float().reshape(-1) for n in names]
     order = list(range(len(names)))
     random.Random(0).shuffle(order)
-    storages = [torch.zeros(4, dtype=torch.uint8), torch.zeros(4, dtype=torch.uint8)]
+    storages = [torch.zeros(gap, dtype=torch.uint8), torch.zeros(gap, dtype=torch.uint8)]
     pieces: list = [None] * len(names)
-    for j, i in enumerate(order):  # alternate storages, each tensor after a 4-byte gap
+    for j, i in enumerate(order):  # alternate storages, each tensor after a gap
         k = j % 2
         at = storages[k].numel()
         pieces[i] = (k, at, tensors[i].numel() * 4)
-        storages[k] = torch.cat([storages[k], tensors[i].view(torch.uint8), torch.zeros(4, dtype=torch.uint8)])
+        storages[k] = torch.cat([storages[k], tensors[i].view(torch.uint8), torch.zeros(gap, dtype=torch.uint8)])
     update = WeightUpdate(version=1, names=names, dtypes=["float32"] * len(names),
                           shapes=[list(want[n].shape) for n in names], transport="cuda_ipc",
-                          ipc_handles=[b"h0", b"h1"], ipc_pieces=pieces)
+                          ipc_handles=[b"h0", b"h1"], ipc_pieces=pieces, ipc_keep=True)
 
     async def scenario():
         engine = HfEngine(HfEngineConfig(model=str(models["a"]), eos_token_ids=()))
         await engine.start()
         try:
-            engine._copy_pieces(update, storages)
             params = dict(engine.model.named_parameters())
-            return {n: params[n].detach().clone() for n in names if n in params}
+            first = engine._copy_pieces(update, storages)
+            got = {n: params[n].detach().clone() for n in names if n in params}
+            scored = await engine.prompt_logprobs(np.arange(3, 20))  # the model runs on what it was given
+            if gap == 4:  # the sender's next weights, in the same places (the gaps are zeros)
+                for st in storages:
+                    st.view(torch.float32).mul_(2)
+            again = engine._copy_pieces(update, storages)
+            doubled = {n: params[n].detach().clone() for n in names if n in params}
+            mirror = engine._mirror
+            inside = mirror is not None and all(
+                any(b.data_ptr() <= params[n].data_ptr() < b.data_ptr() + b.numel() for b in mirror.bufs)
+                for n in got)
+            return got, doubled, first, again, mirror, inside, scored
         finally:
             await engine.close()
 
-    got = asyncio.run(scenario())
+    got, doubled, first, again, mirror, inside, scored = asyncio.run(scenario())
     assert len(got) > 1 and [n for n in got if not torch.equal(got[n].float(), want[n].float())] == []
+    assert np.abs(scored - tools.prompt_logprobs(ref["b"], np.arange(3, 20))).max() <= 1e-4
+    if gap == 4:
+        assert mirror is not None and inside and len(mirror.bufs) == 2  # the parameters lie in two buffers
+        assert list(first) == [0] and len(first[0][0]) == 2 and list(again) == [0]  # one copy a storage
+        assert [n for n in got if not torch.equal(doubled[n].float(), 2 * want[n].float())] == []
+    else:
+        assert mirror is None and sorted(first) == sorted(again) == [2]  # tensor by tensor, as 2-byte words
+        assert [n for n in got if not torch.equal(doubled[n], got[n])] == []
+
+
+def test_hf_lays_nothing_out_for_a_sender_that_does_not_keep_its_memory(models):
+    """Without ``ipc_keep`` (a trainer that offloads between syncs, and sleeps its engines) the
+    parameters stay where they are: tensor by tensor, no mirror."""
+    import torch
+
+    from treadle.common.records import WeightUpdate
+    from treadle.rollout.engine.hf_engine import HfEngine, HfEngineConfig
+
+    async def scenario():
+        engine = HfEngine(HfEngineConfig(model=str(models["a"]), eos_token_ids=()))
+        await engine.start()
+        try:
+            params = dict(engine.model.named_parameters())
+            names = sorted(params)
+            flat = torch.cat([params[n].detach().reshape(-1).view(torch.uint8) for n in names])
+            at = [0]
+            for n in names[:-1]:
+                at.append(at[-1] + params[n].numel() * 4)
+            update = WeightUpdate(version=1, names=names, dtypes=["float32"] * len(names),
+                                  shapes=[list(params[n].shape) for n in names], transport="cuda_ipc",
+                                  ipc_handles=[b"h0"], ipc_pieces=[(0, a, params[n].numel() * 4) for a, n in zip(at, names, strict=True)])
+            pairs = engine._copy_pieces(update, [flat])
+            return pairs, engine._mirror
+        finally:
+            await engine.close()
+
+    pairs, mirror = asyncio.run(scenario())
+    assert mirror is None and 0 not in pairs and pairs

@@ -235,6 +235,23 @@ def test_bad_update_is_refused_and_engine_keeps_serving(subject, ref, tools, how
     assert np.abs(got - tools.prompt_logprobs(ref["a"], PROMPTS[2])).max() <= TOL
 
 
+def test_a_header_that_passed_is_not_checked_again_but_any_other_is(subject):
+    engine = subject.engine
+
+    def update(tensors):
+        return WeightUpdate(version=engine.weight_version + 1, names=list(tensors), dtypes=["float32"] * len(tensors),
+                            shapes=[list(t.shape) for t in tensors.values()], transport="cuda_ipc")
+
+    good = update(subject.base)
+    engine.check_update(good)
+    assert engine._checked == (good.names, good.dtypes, good.shapes)  # kept: the next equal header is not walked
+    engine.check_update(update(subject.base))
+    for how in ("name", "shape", "missing"):
+        with pytest.raises(WeightMismatch, match="down_proj"):
+            engine.check_update(update(_corrupt(subject.base, how)))
+        assert engine._checked == (good.names, good.dtypes, good.shapes)  # a refused header is not kept
+
+
 @pytest.mark.parametrize("mode", ["wait", "abort"])
 def test_in_flight_samples_never_mix_versions(subject, ref, tools, mode):
     v0 = subject.engine.weight_version

@@ -160,6 +160,9 @@ def test_in_place_pieces_are_checked_by_the_record():
     with pytest.raises(ValueError, match="ipc_keep is for cuda_ipc updates in place"):
         msgspec.structs.replace(ipc_update(base, 1), ipc_keep=True)
     assert msgspec.structs.replace(update, ipc_keep=True).ipc_keep
+    with pytest.raises(ValueError, match="ipc_event needs ipc_keep"):
+        msgspec.structs.replace(update, ipc_event=True)
+    assert msgspec.structs.replace(update, ipc_keep=True, ipc_event=True).ipc_event
     with pytest.raises(ValueError, match="cuda_ipc only"):
         WeightUpdate(version=1, names=["a"], dtypes=["float32"], shapes=[[4]], transport="inline",
                      tensors=[np.zeros(4, np.float32)], ipc_handles=[b"x"], ipc_pieces=[(0, 0, 16)])

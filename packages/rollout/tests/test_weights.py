@@ -27,6 +27,7 @@ from treadle.rollout.engine.weights import (
     bucket_ranges,
     byte_splits,
     canary_error,
+    mirror_spans,
     model_eos_ids,
     pack_bucket,
     plan_buckets,
@@ -259,3 +260,21 @@ def test_canary_error():
     assert "2 prompt logprobs" in canary_error(e, e[:2], 1e-3)
 
 
+
+
+def test_mirror_spans_cover_each_storages_tensors_from_an_aligned_start():
+    # storage 0: a bf16 tensor at 300 and an fp32 one at 304; storage 1: one fp32 tensor at 1024
+    pieces = [(0, 300, 4), (0, 304, 8), (1, 1024, 16)]
+    dtypes = ["bfloat16", "float32", "float32"]
+    assert mirror_spans(dtypes, pieces, {0: [1, 0], 1: [2]}) is None  # [256, 312) is mostly other bytes
+    pieces = [(0, 260, 40), (0, 300, 200), (1, 1024, 16)]
+    assert mirror_spans(dtypes, pieces, {0: [1, 0], 1: [2]}) == [(0, 256, 500), (1, 1024, 1040)]
+    assert mirror_spans(dtypes, pieces, {0: [0, 1], 1: []}) == [(0, 256, 500)]
+
+
+@pytest.mark.parametrize("pieces, why", [
+    ([(0, 256, 40), (0, 290, 200)], "overlap"),
+    ([(0, 256, 40), (0, 298, 200)], "an fp32 tensor at a 2-byte offset"),
+])
+def test_mirror_spans_refuse_what_one_buffer_cannot_hold(pieces, why):
+    assert mirror_spans(["bfloat16", "float32"], pieces, {0: [0, 1]}) is None, why

@@ -299,6 +299,11 @@ class WeightUpdate(Record):
     ipc_keep: bool = False
     """cuda_ipc in place: the sender keeps those storages alive and where they are until its next
     update, so the engines may keep them mapped until then (their next load maps nothing)."""
+    ipc_event: bool = False
+    """cuda_ipc in place, kept: the engines answer once their copies are queued, not done, each
+    with a CUDA IPC event recorded after them (its handle in the answer's ``events``); the sender
+    makes its stream wait on those events before it writes to the storages again. Without it an
+    engine answers once its copies have finished."""
     canary_token_ids: Array | None = None
     """int32 [C]: fixed prompt the engine scores after loading (optional)."""
     canary_logprobs: Array | None = None
@@ -332,6 +337,9 @@ class WeightUpdate(Record):
                                      f"handle index below {len(self.ipc_handles)} and offset, bytes >= 0")
         if self.ipc_keep and not self.ipc_pieces:
             raise ValueError("WeightUpdate.ipc_keep is for cuda_ipc updates in place (with ipc_pieces) only")
+        if self.ipc_event and not self.ipc_keep:
+            raise ValueError("WeightUpdate.ipc_event needs ipc_keep: an engine that unmaps the sender's storages "
+                             "must wait for its copies first")
         if self.bucket_sizes and sum(self.bucket_sizes) != n:
             raise ValueError(f"WeightUpdate.bucket_sizes sum to {sum(self.bucket_sizes)}, expected {n}")
         check_native(self.group, "WeightUpdate.group")

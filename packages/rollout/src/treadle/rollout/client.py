@@ -124,7 +124,9 @@ class RolloutClient:
                              send: Callable[[], Any] | None = None,
                              timeout: float = UPDATE_TIMEOUT_S) -> dict[str, Any]:
         """Load ``update`` into every engine; returns ``{"version", "updated", "failed", "loads"}``
-        (``loads``: per engine that took it, the wall-clock stamps of its load, ``Engine.last_load``).
+        (``loads``: per engine that took it, the wall-clock stamps of its load, ``Engine.last_load``;
+        with ``update.ipc_event``, ``events`` too: per engine that answered before its copies
+        finished, the handle of the CUDA IPC event recorded after them, to wait on).
 
         ``mode="wait"``: in-flight samples finish on the old weights first; ``"abort"``: they end
         with finish_reason "abort". A collective update needs ``send`` (the sender's broadcast,

@@ -241,8 +241,11 @@ class WeightCoordinator:
             raise next(iter(failed.values()))
         loads = {h.engine_id: {"received": received, **(r.args.get("load") or {})} for h, r in zip(targets, replies, strict=True)
                  if h in updated and isinstance(r, Control)}  # the engines' stamps (``Engine.last_load``)
+        # the CUDA IPC events of engines that answered before their copies finished (``ipc_event``)
+        events = {h.engine_id: r.args["event"] for h, r in zip(targets, replies, strict=True)
+                  if h in updated and isinstance(r, Control) and r.args.get("event")}
         return {"version": update.version, "updated": [h.engine_id for h in updated],
-                "failed": {k: str(v) for k, v in failed.items()}, "loads": loads}
+                "failed": {k: str(v) for k, v in failed.items()}, "loads": loads, **({"events": events} if events else {})}
 
     # ------------------------------------------------------------------ the group
 

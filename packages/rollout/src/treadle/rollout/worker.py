@@ -7,7 +7,7 @@ an ``ipc://`` (or loopback tcp) endpoint, one method per ``Engine`` method:
     generate (stream)           GenerateRequest -> GenerateResult per sample
     prompt_logprobs             GenerateRequest -> GenerateResult(prompt_logprobs=...)
     abort                       Control(args={"key"}) -> Control(args={"aborted"})
-    update_weights[_abort]      WeightUpdate (inline or cuda_ipc) -> Control(args={"version"})
+    update_weights[_abort]      WeightUpdate (inline or cuda_ipc) -> Control(args={"version", "load"[, "event"]})
     join_weight_group           Control(args=GroupSpec fields) -> Ack
     receive_weights[_abort]     WeightUpdate (collective) -> Control(args={"version"})
     arm_weights                 WeightUpdate (collective, the next one) -> Control(args={"version"})
@@ -110,7 +110,8 @@ class WorkerService:
 
     async def update_weights(self, msg: Any, ctx: Any, mode: str = "wait") -> Any:
         v = await self.engine.update_weights(_expect(msg, "WeightUpdate"), mode=mode)
-        return _control("update_weights", version=v, load=dict(self.engine.last_load))
+        event = {"event": self.engine.last_event} if self.engine.last_event else {}
+        return _control("update_weights", version=v, load=dict(self.engine.last_load), **event)
 
     async def update_weights_abort(self, msg: Any, ctx: Any) -> Any:
         return await self.update_weights(msg, ctx, mode="abort")

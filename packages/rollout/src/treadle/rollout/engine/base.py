@@ -93,6 +93,10 @@ class Engine(ABC):
         # starts), loaded, done (canary checked); the daemon hands them to the sender
         self.last_load: dict[str, float] = {}
         self._load_stamps: dict[str, float] = {}  # a backend's own stamps inside a load (set on its model thread)
+        # the last load's CUDA IPC event (``WeightUpdate.ipc_event``): its handle, recorded after
+        # the copies the engine answered before they finished; b"": it answered after them
+        self.last_event = b""
+        self._checked: tuple[Any, ...] = ()  # the last update header ``check_header`` passed
         self._sleep: SleepState | None = None
         self._group: GroupSpec | None = None
         self._armed: _Armed | None = None
@@ -178,7 +182,10 @@ class Engine(ABC):
                              f"{self._version}: versions must increase")
         if self._sleep is not None:
             raise BadRequest(f"engine {self.engine_id} is asleep: wake it before loading weights")
-        self.weight_spec.check_header(update.names, update.dtypes, update.shapes)
+        header = (update.names, update.dtypes, update.shapes)
+        if header != self._checked:  # the last header that passed passes again (lists compared in C)
+            self.weight_spec.check_header(*header)
+            self._checked = header
 
     async def update_weights(self, update: WeightUpdate, tensors: Sequence[Any] | None = None,
                              *, mode: PauseMode = "wait") -> int:
@@ -493,7 +500,7 @@ class Engine(ABC):
 
     async def _loaded(self, update: WeightUpdate, load: Any, stamps: dict[str, float]) -> None:
         """Paused, gate closed: ``await load()``, resume, check the canary, bump the version."""
-        self._load_stamps = {}
+        self._load_stamps, self.last_event = {}, b""
         try:
             await load()
         except BaseException as e:

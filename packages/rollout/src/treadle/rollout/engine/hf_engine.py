@@ -39,6 +39,7 @@ from treadle.rollout.engine.weights import (
     WeightSpec,
     bucket_layout,
     bucket_ranges,
+    mirror_spans,
     model_eos_ids,
     span_views,
     spec_from_checkpoint,
@@ -135,6 +136,8 @@ class HfEngine(Engine):
         self._uuid: str | None = None  # the GPU's UUID (``ipc.device_uuid``), read at start
         self._named: tuple[Any, dict[str, Any], dict[str, Any]] | None = None  # ``_targets``
         self._mapped: _Mapped | None = None  # the sender's storages kept mapped (``ipc_keep``)
+        self._event: tuple[Any, bytes] | None = None  # the CUDA IPC event early answers hand out, its handle
+        self._mirror: _Mirror | None = None  # the parameters laid out as a sender's storages (``_mirrored``)
         self._eos: tuple[int, ...] = ()
         self._fallback = torch.Generator(device=self.device).manual_seed(config.seed)
         self.model: Any = None
@@ -175,7 +178,8 @@ class HfEngine(Engine):
         for row in self._running:  # the cancelled batch's samples still owe their consumers a result
             row.r.results.put_nowait(self._result(row.r, row.index, row.tokens, row.logprobs, "abort"))
         self._running = []
-        self._mapped = None
+        self._unmap()
+        self._mirror = None
         if self._wgroup is not None:
             self._wgroup.close()
         self._pool.shutdown(wait=True)
@@ -361,20 +365,67 @@ class HfEngine(Engine):
     @torch.inference_mode()
     def _copy_pieces(self, update: WeightUpdate, storages: list[torch.Tensor]) -> _Pairs:
         """Copy ``update``'s tensors from the sender's own memory (``ipc_pieces``: each tensor's
-        bytes in one of the mapped ``storages``, flat uint8) into the model, as ``_copy_flats``
-        does from buckets: one split a storage (``span_views``), one multi-tensor copy a word size.
-        Returns the copies made, to do again for the same pieces of the same storages (``_Mapped``)."""
+        bytes in one of the mapped ``storages``, flat uint8) into the model: one copy a storage
+        where the parameters are laid out as the sender's are (``_mirrored``), else as
+        ``_copy_flats`` does from buckets: one split a storage (``span_views``), one multi-tensor
+        copy a word size. Returns the copies made, to do again for the same pieces of the same
+        storages (``_Mapped``)."""
         spans: dict[int, list[int]] = collections.defaultdict(list)  # storage -> the tensors in it
         skip = self.weight_spec.skip  # left out before the split: a tied name's bytes may overlap its twin's
         for i, (k, _, _) in enumerate(update.ipc_pieces):
             if update.names[i] not in skip:
                 spans[k].append(i)
         pairs: _Pairs = {}
+        mirrored = self._mirrored(update, storages, spans)
+        if mirrored is not None:
+            pairs[0] = mirrored
+            _copy_pairs(pairs)
+            return pairs
         for k, idx in spans.items():
             size, views = span_views(storages[k], [update.ipc_pieces[i][1:] for i in idx])
             self._word_pairs(pairs, size, idx, views, update)
         _copy_pairs(pairs)
         return pairs
+
+    def _mirrored(self, update: WeightUpdate, storages: list[torch.Tensor], spans: dict[int, list[int]]
+                  ) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
+        """``(destinations, sources)``: one copy a storage, from the span of each mapped storage
+        that holds the sent tensors into a buffer of the engine's own where its parameters lie as
+        they do in the sender's (``_Mirror``: the parameters' data rebound to views of it, made at
+        the first in-place update of a layout; their old values are not kept: every sent byte is
+        copied in). None where the layout does not allow
+        it (a tensor whose bytes are not aligned to its dtype, overlapping tensors, storages
+        whose span is mostly other bytes: ``mirror_spans``) or an update without ``ipc_keep``:
+        copy tensor by tensor."""
+        m = self._mirror
+        if m is not None and m.names == update.names and m.pieces == update.ipc_pieces and m.intact():
+            return m.buffers(), [storages[k][lo:hi] for k, lo, hi in m.spans]
+        if not update.ipc_keep:  # a sender that frees its memory between syncs sleeps us too (which drops
+            return None  # the mirror): laying it out again at every sync would cost more than it saves
+        plan = mirror_spans(update.dtypes, update.ipc_pieces, spans)
+        if plan is None:
+            return None
+        self._mirror = None
+        targets = self._targets()
+        laid: list[tuple[int, int, int, torch.Tensor]] = []
+        with torch.inference_mode(False):  # the parameters' data must not become inference tensors
+            for k, lo, hi in plan:
+                buf = torch.empty(hi - lo, dtype=torch.uint8, device=self.device)  # every sent byte is copied in next
+                for i in spans[k]:
+                    _, off, nbytes = update.ipc_pieces[i]
+                    t = targets[update.names[i]]
+                    t.data = buf[off - lo:off - lo + nbytes].view(t.dtype).view(t.shape)
+                laid.append((k, lo, hi, buf))
+        self._named[2].clear()  # word views of the parameters' old storages, now freed
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # the old storages go back to the device (a model's worth), once
+        first = [targets[update.names[spans[k][0]]] for k, _, _, _ in laid]
+        self._mirror = _Mirror(names=update.names, pieces=update.ipc_pieces, spans=[(k, lo, hi) for k, lo, hi, _ in laid],
+                               bufs=[b for *_, b in laid], firsts=first,
+                               at=[b.data_ptr() + update.ipc_pieces[spans[k][0]][1] - lo for k, lo, _, b in laid])
+        log.info("engine %s: parameters laid out as the sender's storages (%d spans, %.1f MB): an in-place "
+                 "update is one copy a span", self.engine_id, len(laid), sum(hi - lo for _, lo, hi in plan) / 1e6)
+        return self._mirror.buffers(), [storages[k][lo:hi] for k, lo, hi in self._mirror.spans]
 
     def _word_pairs(self, pairs: _Pairs, size: int, indices: Iterable[int], pieces: Iterable[torch.Tensor],
                     update: WeightUpdate) -> None:
@@ -414,7 +465,24 @@ class HfEngine(Engine):
         the views would still point into (and keep alive) the old one."""
         if self._named is not None:
             self._named[2].clear()
-        self._mapped = None  # its copies write into those views
+        self._mirror = None  # the parameters no longer lie in its buffers
+        self._unmap()  # its copies write into those views
+
+    def _unmap(self) -> None:
+        """Drop the kept mapping (unmapping the sender's storages) once the copies made from it
+        have read them: an early answer (``ipc_event``) left them running."""
+        if self._mapped is not None:
+            torch.cuda.synchronize(self.device)
+            self._mapped = None
+
+    def _record_event(self) -> bytes:
+        """Record the engine's CUDA IPC event after the queued copies; its handle (made once)."""
+        if self._event is None:
+            with torch.cuda.device(self.device):
+                event = torch.cuda.Event(interprocess=True)
+                self._event = (event, bytes(event.ipc_handle()))
+        self._event[0].record(torch.cuda.current_stream(self.device))
+        return self._event[1]
 
     async def _load(self, update: WeightUpdate, tensors: list[Any]) -> None:
         await self._call(self._copy_in, [list(zip(update.names, tensors, strict=True))])
@@ -422,6 +490,9 @@ class HfEngine(Engine):
     async def _check_ipc(self, update: WeightUpdate) -> None:
         from treadle.rollout.engine.ipc import check_colocated, loads
 
+        m = self._mapped
+        if m is not None and m.handles == update.ipc_handles and m.pieces == update.ipc_pieces and m.names == update.names:
+            return  # the kept mapping's: checked when it was mapped, and its storages have not changed
         handles = [loads(h) for h in update.ipc_handles]
         if update.ipc_pieces:  # the sender's own tensors: each piece inside its storage, of its tensor's size
             for i, (k, off, nbytes) in enumerate(update.ipc_pieces):
@@ -445,12 +516,15 @@ class HfEngine(Engine):
     def _copy_ipc(self, update: WeightUpdate) -> None:
         """Map the sender's buckets or storages, copy their tensors into the model, wait, unmap;
         or, for an in-place update the sender lets us keep (``ipc_keep``), keep them mapped with
-        the copies' views (``_Mapped``), and map nothing the next time the same handles come."""
+        the copies' views (``_Mapped``), and map nothing the next time the same handles come;
+        with ``ipc_event`` too, record the event the answer hands out instead of waiting."""
         from treadle.rollout.engine.ipc import open_handles
 
-        kept, self._mapped = self._mapped, None
+        kept = self._mapped
         if kept is not None and kept.handles != update.ipc_handles:
-            kept = None  # other storages: unmapped here (the last reference to the old ones)
+            self._unmap()  # other storages: unmapped here (the last reference to the old ones)
+            kept = None
+        self._mapped = None
         flats: list[torch.Tensor] = []
         done = False
         try:
@@ -460,6 +534,7 @@ class HfEngine(Engine):
                 pairs = kept.pairs
                 _copy_pairs(pairs)
             elif update.ipc_pieces:
+                kept = None  # its copies' views of the parameters' storages, which a mirror would free
                 pairs = self._copy_pieces(update, flats)
             else:
                 self._copy_flats(update, flats)
@@ -467,9 +542,14 @@ class HfEngine(Engine):
             done = True
         finally:
             # The copies run asynchronously: they must have read the sender's memory before it is
-            # unmapped (the last reference dropped) and before we answer (the sender reuses it).
-            torch.cuda.synchronize(self.device)
-            self._load_stamps["copied"] = time.time()
+            # unmapped (the last reference dropped) and before the sender writes to it again: we
+            # answer once they are done, or (``ipc_event``: the storages stay mapped) at once,
+            # with an event recorded after them that the sender's stream waits on.
+            if done and update.ipc_event:
+                self.last_event = self._record_event()
+            else:
+                torch.cuda.synchronize(self.device)
+                self._load_stamps["copied"] = time.time()
             if done and update.ipc_pieces and update.ipc_keep:
                 self._mapped = _Mapped(handles=list(update.ipc_handles), storages=flats, names=update.names,
                                        pieces=update.ipc_pieces, pairs=pairs)
@@ -566,6 +646,28 @@ class _Mapped:
     names: list[str]
     pieces: list[tuple[int, int, int]]
     pairs: _Pairs
+
+
+@dataclass(slots=True, kw_only=True)
+class _Mirror:
+    """The model's parameters laid out as a sender's storages are (``_mirrored``): each span
+    ``(storage, lo, hi)`` of the sender's memory has a buffer of the engine's own whose bytes
+    lie as they do there, and the parameters are views of those buffers. Valid while the
+    parameters stay in them (``to()`` at sleep or wake moves them: dropped there)."""
+
+    names: list[str]
+    pieces: list[tuple[int, int, int]]
+    spans: list[tuple[int, int, int]]
+    bufs: list[torch.Tensor]
+    firsts: list[torch.Tensor]  # the first parameter laid in each buffer
+    at: list[int]  # and where its data was put
+
+    def buffers(self) -> list[torch.Tensor]:
+        return self.bufs
+
+    def intact(self) -> bool:
+        """The parameters still lie in the buffers (checked on each buffer's first)."""
+        return all(t.data_ptr() == a for t, a in zip(self.firsts, self.at, strict=True))
 
 
 def _copy_pairs(pairs: _Pairs) -> None:

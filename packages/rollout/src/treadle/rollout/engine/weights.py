@@ -299,6 +299,36 @@ def span_views(flat: torch.Tensor, spans: Sequence[tuple[int, int]]) -> tuple[in
     return size, out
 
 
+MIRROR_COVER = 0.75
+"""``mirror_spans``: the least share of a span's bytes the sent tensors must fill."""
+MIRROR_ALIGN = 256  # bytes: where a mirrored span starts (a buffer of its own is at least this aligned)
+
+
+def mirror_spans(dtypes: Sequence[str], pieces: Sequence[tuple[int, int, int]],
+                 spans: Mapping[int, Sequence[int]]) -> list[tuple[int, int, int]] | None:
+    """``[(storage, lo, hi)]``: for each storage ``k`` of ``spans`` (storage -> the indices of
+    the tensors lying in it, ``pieces[i] = (k, offset, bytes)``, ``dtypes[i]``), the byte range
+    that holds them, ``lo`` rounded down to ``MIRROR_ALIGN``: a buffer of ``hi - lo`` bytes can
+    then hold every one of them at ``offset - lo``, aligned for its dtype, and be filled by one
+    copy. None when that cannot be done or does not pay: a tensor not aligned to its dtype's
+    size, two tensors overlapping, or a range the tensors fill less than ``MIRROR_COVER`` of."""
+    out = []
+    for k, idx in spans.items():
+        if not idx:
+            continue
+        got = sorted((pieces[i][1], pieces[i][2], DTYPE_SIZES.get(dtypes[i], 0)) for i in idx)
+        end = 0
+        for off, n, size in got:
+            if size == 0 or off % size or off < end:
+                return None
+            end = off + n
+        lo = got[0][0] - got[0][0] % MIRROR_ALIGN
+        if sum(n for _, n, _ in got) < MIRROR_COVER * (end - lo):
+            return None
+        out.append((k, lo, end))
+    return out
+
+
 def word_dtype(size: int) -> torch.dtype:
     """torch's integer dtype of words of ``size`` bytes (8, 4, 2 or 1)."""
     import torch

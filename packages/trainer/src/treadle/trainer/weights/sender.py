@@ -33,7 +33,11 @@ The cuda_ipc transport is for engines on rank 0's GPU (colocated): every rank ga
 rank 0 packs every bucket into one GPU buffer (a full copy of the sent weights, kept for the
 next sync), sends the buckets' CUDA IPC handles (``treadle.rollout.engine.ipc``) inside the
 ``WeightUpdate``, and leaves the buffer untouched until the daemon answered (the engines copy
-from it and unmap it before they answer). No group, no broadcast.
+from it and unmap it before they answer). No group, no broadcast. Where rank 0 holds every tensor
+whole as sent (one ZeRO-3 rank, or ZeRO-0/1/2) nothing is packed: the engines copy from its
+parameters' own storages (``ipc_pieces``), may keep them mapped (``ipc_keep``), and may answer
+before their copies finished (``ipc_event``: rank 0's stream then waits on the CUDA IPC events
+they answered with, so its next writes to the parameters come after the copies).
 
 Armed syncs (``SenderConfig.arm``, synchronous RL): ``arm(version)`` after a rollout sends the
 next update's header ahead (``RolloutClient.arm_weights``); the engines pause and wait on the
@@ -139,6 +143,10 @@ class SenderConfig:
     ipc_keep: bool = True  # cuda_ipc in place: the engines keep rank 0's parameter memory mapped from one
     # sync to the next (their next load maps nothing); off when the trainer frees that memory between syncs
     # (--ds.enable_sleep: kept mapped, it could not be freed)
+    ipc_event: bool = True  # cuda_ipc in place, kept: the engines answer once their copies are queued, each
+    # with a CUDA IPC event recorded after them, and rank 0's stream waits on those events before anything
+    # it runs next (the optimizer's writes): the copies overlap the answer's way back; off: the engines
+    # answer once their copies are done
     arm: bool = False  # collective transport, synchronous RL: arm the engines for the next sync after each
     # rollout (``WeightSender.arm``): they pause while the trainer trains and receive the first bucket on rank
     # 0's signal over the group's store, without waiting for the update's request to reach them
@@ -242,6 +250,7 @@ class WeightSender:
         self._ipc_buffer: torch.Tensor | None = None
         self._ipc_shared: dict[int, tuple[Any, bytes]] = {}  # cuda_ipc in place: the storages shared, their handles
         self._placed: tuple[Any, ...] | None = None  # cuda_ipc in place: (plan, its memory, ``_in_place``'s answer)
+        self._events: dict[bytes, Any] = {}  # the engines' CUDA IPC events by handle (``ipc_event``), opened
         self._outcomes: Any = False  # the gloo group outcomes are shared over; False: not made yet
         self._peers: PeerReads | None = None
         self._kept = Kept()  # rank 0's grids and views, from one sync to the next
@@ -479,20 +488,35 @@ class WeightSender:
         """The cuda_ipc sync with nothing packed: rank 0 sends the ``shared`` storages of its
         parameters (shared once, while they stay where they are) and each tensor's place in them;
         the engines copy from there and unmap before they answer, and the parameters are not
-        touched until then (``sync`` returns first)."""
+        touched until then (``sync`` returns first); or, kept mapped and answering early
+        (``ipc_event``), this rank's stream waits for their copies (``_wait_events``)."""
         start = time.perf_counter()
         torch.cuda.current_stream().synchronize()  # the optimizer's writes are done before another process reads
         answer, err = None, None
         try:
-            update = self._header(version, items, canary, handles=shared[0], pieces=shared[1],
-                                  keep=self.config.ipc_keep)
+            keep = self.config.ipc_keep
+            update = self._header(version, items, canary, handles=shared[0], pieces=shared[1], keep=keep,
+                                  event=keep and self.config.ipc_event)
             gather_s = time.perf_counter() - start
             answer = self._client.update_weights(update, mode=self.config.mode)
+            self._wait_events(answer.get("events", {}))
         except Exception as e:
             err, gather_s = e, time.perf_counter() - start
         send_s = time.perf_counter() - start - gather_s
         raise_outcome(self._share(err), err, version)
         return answer, 1, gather_s, send_s
+
+    def _wait_events(self, events: dict[str, bytes]) -> None:
+        """Make this rank's current stream wait for each engine's copies (their CUDA IPC events,
+        opened once per handle: an engine records the same event at every load)."""
+        stream = torch.cuda.current_stream(self._device)
+        for handle in events.values():
+            event = self._events.get(handle)
+            if event is None:
+                if len(self._events) >= 64:  # engines restarted many times: forget the old ones
+                    self._events.clear()
+                event = self._events[handle] = torch.cuda.Event.from_ipc_handle(self._device, handle)
+            stream.wait_event(event)
 
     def _produce(self, items: list[Item], sizes: list[int], transfer: Transfer | None,
                  peers: PeerReads | None = None) -> float:
@@ -601,7 +625,8 @@ class WeightSender:
 
     def _header(self, version: int, items: list[Item], canary: np.ndarray | None, *, sizes: list[int] = (),
                 group: dict[str, Any] | None = None, tensors: list[torch.Tensor] = (),
-                handles: list[bytes] = (), pieces: list[tuple[int, int, int]] = (), keep: bool = False) -> WeightUpdate:
+                handles: list[bytes] = (), pieces: list[tuple[int, int, int]] = (), keep: bool = False,
+                event: bool = False) -> WeightUpdate:
         extra: dict[str, Any] = {}
         if canary is not None:
             extra = {"canary_token_ids": np.asarray(self.config.canary_token_ids, dtype=np.int32),
@@ -610,7 +635,8 @@ class WeightSender:
         return WeightUpdate(version=version, names=laid.names, dtypes=laid.dtypes, shapes=laid.shapes,
                             transport=self.config.transport,
                             bucket_sizes=list(sizes), group=group or {}, tensors=list(tensors),
-                            ipc_handles=list(handles), ipc_pieces=list(pieces), ipc_keep=keep, **extra)
+                            ipc_handles=list(handles), ipc_pieces=list(pieces), ipc_keep=keep, ipc_event=event,
+                            **extra)
 
     def _layout(self, items: list[Item]) -> _Layout:
         """``items``' buckets and header lists, made once per plan (the kept plan is the same
