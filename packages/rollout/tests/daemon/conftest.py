@@ -77,6 +77,15 @@ def hf_daemon(aio: Any, models: dict[str, Path], tools: Any) -> Daemon:
 
 
 @pytest.fixture(scope="session")
+def direct_daemon(aio: Any, models: dict[str, Path], tools: Any) -> Daemon:
+    """Two hf engines on tiny model "a", for direct weight updates (test_daemon_direct)."""
+    d = _daemon("direct", ["--model", str(models["a"]), "--engines", "2", "--backend", "hf",
+                           "--route_timeout_s", "60", "--health_interval_s", "1"], aio, tools, 2)
+    yield d
+    d.stop()
+
+
+@pytest.fixture(scope="session")
 def tight_daemon(aio: Any, models: dict[str, Path], tools: Any) -> Daemon:
     """One hf engine, at most 8 samples in flight, requests give up after 3 s without an engine;
     Prometheus metrics on a random loopback port."""

@@ -26,13 +26,15 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import math
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any, Literal, TypeVar
 
 import numpy as np
 
-from treadle.common.errors import BadRequest, TreadleError
+from treadle.common.errors import BadRequest, TreadleError, UnknownMethod
+from treadle.common.log import get_logger
 from treadle.common.records import (
     Control,
     GenerateRequest,
@@ -41,9 +43,12 @@ from treadle.common.records import (
     WeightUpdate,
 )
 from treadle.common.rpc import ClientCurve, LoopThread, RpcClient
+from treadle.rollout.direct import DirectRoute, is_local
 from treadle.rollout.errors import EnginesQuarantined, NoEngine, WeightGroupStale, refine
 
 T = TypeVar("T")
+log = get_logger(__name__)
+BOOK_TIMEOUT_S = 60.0  # the front end books a direct update's outcome within this
 UPDATE_TIMEOUT_S = 1800.0  # a weight load may take long; bounded so a dead daemon is noticed
 
 __all__ = ["EnginesQuarantined", "NoEngine", "RolloutClient", "SyncRolloutClient", "WeightGroupStale",
@@ -69,8 +74,14 @@ class RolloutClient:
         self._rpc = RpcClient(endpoint, name="rollout", curve=curve, timeout_s=timeout_s)
         self._generate_timeout = generate_timeout_s
         self.endpoint = self._rpc.endpoint
+        self._direct: DirectRoute | None = None  # direct updates: the engines' workers (``direct``)
+        self._direct_off = ""  # why this daemon's engines are not updated directly from here
+        self._booking: asyncio.Future[None] | None = None  # the front end booking the last direct update
 
     async def close(self) -> None:
+        with contextlib.suppress(Exception):
+            await self._booked()
+        await self._drop_route()
         await self._rpc.close()
 
     async def __aenter__(self) -> RolloutClient:
@@ -80,6 +91,7 @@ class RolloutClient:
         await self.close()
 
     async def _call(self, method: str, msg: Any = None, timeout: float | None = None) -> Any:
+        await self._booked()  # what the daemon answers reflects the last direct update
         try:
             return await self._rpc.call(method, msg, timeout=timeout)
         except TreadleError as e:
@@ -121,8 +133,8 @@ class RolloutClient:
     # ------------------------------------------------------------------ weights
 
     async def update_weights(self, update: WeightUpdate, *, mode: Literal["wait", "abort"] = "wait",
-                             send: Callable[[], Any] | None = None,
-                             timeout: float = UPDATE_TIMEOUT_S) -> dict[str, Any]:
+                             send: Callable[[], Any] | None = None, timeout: float = UPDATE_TIMEOUT_S,
+                             direct: bool = False) -> dict[str, Any]:
         """Load ``update`` into every engine; returns ``{"version", "updated", "failed", "loads"}``
         (``loads``: per engine that took it, the wall-clock stamps of its load, ``Engine.last_load``;
         with ``update.ipc_event``, ``events`` too: per engine that answered before its copies
@@ -131,12 +143,72 @@ class RolloutClient:
         ``mode="wait"``: in-flight samples finish on the old weights first; ``"abort"``: they end
         with finish_reason "abort". A collective update needs ``send`` (the sender's broadcast,
         run in a thread after the daemon accepted the update).
+
+        ``direct``: an inline or cuda_ipc update goes straight to the engines' workers when this
+        client runs on the daemon's host, and the daemon is told afterwards (``direct``; the
+        report then says ``"direct": True``); elsewhere it is relayed as usual. The daemon keeps
+        no weights from it to bring new engines up to date.
         """
         if (update.transport == "collective") != (send is not None):
             raise BadRequest("a collective update needs send= (the sender's broadcast); an inline one must not have it")
         method = "update_weights_abort" if mode == "abort" else "update_weights"
+        if direct and send is None:
+            route = await self._route()
+            if route is not None:
+                report, booking, error = await route.update(method, update, timeout)
+                self._booking = asyncio.ensure_future(self._book(route, booking))
+                if error is not None:
+                    raise error
+                return report
         on_accepted = None if send is None else (lambda spec: send())
         return (await self._two_step(method, update, on_accepted, timeout))[0]
+
+    async def _route(self) -> DirectRoute | None:
+        """The engines' workers to update directly (read from the daemon once, while their
+        connections stay up), or None: relay through the daemon."""
+        if self._direct is not None:
+            if self._direct.usable():
+                return self._direct
+            await self._drop_route()
+        if self._direct_off:
+            return None
+        if not is_local(self.endpoint):
+            self._direct_off = f"the daemon at {self.endpoint} is not on this host"
+            return None
+        try:
+            args = dict((await self._call("weight_route")).args)
+        except UnknownMethod:
+            self._direct_off = "the daemon does not offer direct updates (an older version)"
+            return None
+        self._direct = await DirectRoute.open(args)
+        if self._direct is None:
+            log.info("weights: relaying this update through the daemon at %s: its engines' workers %s do not "
+                     "answer from here", self.endpoint, sorted(args.get("engines", {}).values()))
+        return self._direct
+
+    async def _book(self, route: DirectRoute, booking: dict[str, Any]) -> None:
+        """Tell the daemon what the engines answered a direct update; forget the route when it
+        is stale (the pool's engines changed) or the daemon could not book it."""
+        try:
+            answer = await self._rpc.call("weights_loaded", Control(op="loaded", args=booking), timeout=BOOK_TIMEOUT_S)
+            stale = str(answer.args.get("stale", ""))
+        except TreadleError as e:
+            stale = f"it could not book weight version {booking['version']}: {e}"
+            log.warning("weights: the daemon at %s: %s", self.endpoint, stale)
+        if stale and self._direct is route:
+            log.info("weights: reading the daemon's engines again before the next direct update (%s)", stale)
+            await self._drop_route()
+
+    async def _booked(self) -> None:
+        """Wait until the daemon has booked the last direct update (a no-op when it has)."""
+        booking, self._booking = self._booking, None
+        if booking is not None:
+            await asyncio.wait([booking])
+
+    async def _drop_route(self) -> None:
+        route, self._direct = self._direct, None
+        if route is not None:
+            await route.close()
 
     async def join_weight_group(self, host: str, port: int, *, backend: Literal["gloo", "nccl"] = "gloo",
                                 timeout_s: float = 120.0,
@@ -157,6 +229,7 @@ class RolloutClient:
         """Stream ``method``: run ``on_accepted(spec)`` in a thread at "accepted"; return the last answer."""
         side: asyncio.Future[Any] | None = None
         final: dict[str, Any] = {}
+        await self._booked()
         try:
             async for ctl in self._rpc.stream(method, msg, timeout=timeout):
                 if ctl.op == "accepted" and on_accepted is not None:

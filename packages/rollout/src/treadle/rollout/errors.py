@@ -42,6 +42,12 @@ class NoEngine(TreadleError):
 _TAGGED = (WeightGroupStale, EnginesQuarantined, NoEngine)
 
 
+def is_canary(exc: BaseException) -> bool:
+    """An engine's answer to a weight load that says its canary differed (it loaded, and is
+    quarantined by the front end) rather than that the load failed."""
+    return isinstance(exc, InternalError) and "canary" in exc.message
+
+
 def tagged(cls: type[TreadleError], detail: str) -> TreadleError:
     """An instance of ``cls`` whose message starts with its tag (so ``refine`` can find it)."""
     return cls(f"{cls.tag}: {detail}")  # type: ignore[attr-defined]

@@ -13,6 +13,11 @@ Methods (records of ``treadle.common.records``; errors come back as typed ``Erro
     arm_weights                  WeightUpdate (collective, the next version) -> Control("armed",
                                  version, armed, failed): the engines pause and wait for the
                                  sender's signal (``Engine.arm_weights``)
+    weight_route                 -> Control("route", epoch, engines={id: endpoint}): where a client
+                                 on this host sends a direct update (``updates.route``)
+    weights_loaded               Control(args={version, epoch, updated, quarantined, failed})
+                                 -> Control("booked", version, booked, stale): a direct update's
+                                 outcome, booked as a relayed one's
     sleep / wake / reset_prefix_cache / weight_digest -> Control(args={engine id: answer})
     scale                        Control(args={"engines": M}) -> Control(args={added, removed})
     health / stats               -> Control(args=...)
@@ -86,7 +91,7 @@ class RolloutServer:
             "generate": self.generate, "prompt_logprobs": self.prompt_logprobs, "abort": self.abort,
             "update_weights": self.update_weights, "update_weights_abort": self.update_weights_abort,
             "join_weight_group": self.join_weight_group, "leave_weight_group": self.leave_weight_group,
-            "arm_weights": self.arm_weights,
+            "arm_weights": self.arm_weights, "weight_route": self.weight_route, "weights_loaded": self.weights_loaded,
             "sleep": self.sleep, "wake": self.wake, "reset_prefix_cache": self.reset_prefix_cache,
             "weight_digest": self.weight_digest, "scale": self.scale, "health": self.health,
             "stats": self.stats,
@@ -196,6 +201,12 @@ class RolloutServer:
 
     async def arm_weights(self, msg: Any, ctx: Any) -> Control:
         return Control(op="armed", args=await self.pool.weights.arm(_expect(msg, WeightUpdate)))
+
+    async def weight_route(self, msg: Any, ctx: Any) -> Control:
+        return Control(op="route", args=self.pool.weights.route())
+
+    async def weights_loaded(self, msg: Any, ctx: Any) -> Control:
+        return Control(op="booked", args=await self.pool.weights.book(_args(_expect(msg, Control))))
 
     # ------------------------------------------------------------------ control
 

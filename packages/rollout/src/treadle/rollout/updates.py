@@ -29,6 +29,14 @@ Canary: engines check the update's canary themselves; one whose logprobs differ 
 quarantined (no work) and the updater gets ``EnginesQuarantined`` naming it, while the engines
 that passed serve the new version.
 
+Direct updates (``route``, ``book``): a client on this host may send an inline or cuda_ipc
+update straight to the engines' own endpoints (``RolloutClient.update_weights(direct=True)``),
+sparing the relay through this front end, and then tell it what they answered; the front end
+books that as it books an update it relayed (version, ready, quarantine), except that it keeps
+no weights from it. ``route`` names the engines an update goes to and the membership epoch;
+``book`` answers ``stale`` when the membership changed since, or an engine was left out, so
+that the client asks for the route again.
+
 What this module does not do: send weights (the trainer does), or load them (the engines).
 """
 
@@ -43,10 +51,10 @@ from typing import Any
 
 import msgspec
 
-from treadle.common.errors import BadRequest, InternalError, TreadleError
+from treadle.common.errors import BadRequest, TreadleError
 from treadle.common.log import get_logger
 from treadle.common.records import Control, WeightUpdate
-from treadle.rollout.errors import EnginesQuarantined, NoEngine, WeightGroupStale, tagged
+from treadle.rollout.errors import EnginesQuarantined, NoEngine, WeightGroupStale, is_canary, tagged
 
 log = get_logger(__name__)
 UPDATABLE = ("ready", "quarantined", "behind")  # engines an update goes to
@@ -73,10 +81,6 @@ class Group:
 def _endpoint(spec: dict[str, Any]) -> str:
     """``host:port`` of a group's store (the sender's): what tells two groups apart."""
     return f"{spec.get('host')}:{spec.get('port')}"
-
-
-def _is_canary(exc: BaseException) -> bool:
-    return isinstance(exc, InternalError) and "canary" in exc.message
 
 
 class WeightCoordinator:
@@ -118,7 +122,7 @@ class WeightCoordinator:
                 try:
                     reply = await h.call("update_weights", kept.update)
                 except TreadleError as e:
-                    if not _is_canary(e):
+                    if not is_canary(e):
                         raise
                     self.pool.quarantine(h, e.message)
                     self.membership_changed(f"engine {h.engine_id} joined")
@@ -218,7 +222,7 @@ class WeightCoordinator:
         for h, r in zip(targets, replies, strict=True):
             if not isinstance(r, BaseException):
                 updated.append(h)
-            elif _is_canary(r):
+            elif is_canary(r):
                 self.pool.quarantine(h, r.message)
                 quarantined[h.engine_id] = r.message
             else:
@@ -246,6 +250,47 @@ class WeightCoordinator:
                   if h in updated and isinstance(r, Control) and r.args.get("event")}
         return {"version": update.version, "updated": [h.engine_id for h in updated],
                 "failed": {k: str(v) for k, v in failed.items()}, "loads": loads, **({"events": events} if events else {})}
+
+    # ------------------------------------------------------------------ direct updates
+
+    def route(self) -> dict[str, Any]:
+        """The engines a direct update goes to (id -> the endpoint their worker serves on) and the
+        membership epoch they were read at."""
+        targets = self.pool.live(UPDATABLE)
+        if not targets:
+            raise tagged(NoEngine, "no live engine to update")
+        return {"epoch": self._epoch, "engines": {h.engine_id: h.spec.endpoint for h in targets}}
+
+    async def book(self, args: dict[str, Any]) -> dict[str, Any]:
+        """Book a direct update's outcome (``args``: version, epoch, updated [ids], quarantined
+        {id: why}, failed {id: why}) as ``_settle`` books a relayed one; returns
+        ``{"version", "booked", "stale"}`` (``stale``: why the client should ask for the route
+        again, or "")."""
+        try:
+            version, epoch = int(args["version"]), int(args["epoch"])
+            done, quarantined, failed = list(args["updated"]), dict(args.get("quarantined", {})), \
+                dict(args.get("failed", {}))
+        except (KeyError, TypeError, ValueError) as e:
+            raise BadRequest(f"weights_loaded needs version, epoch, updated[, quarantined, failed], got {args!r}: "
+                             f"{e}") from None
+        async with self.lock:
+            if version <= self.pool.version:
+                raise BadRequest(f"direct weight update {version} is not newer than the pool's {self.pool.version}")
+            for engine_id, why in quarantined.items():
+                if (h := self.pool.handles.get(engine_id)) is not None:
+                    self.pool.quarantine(h, str(why))
+            for engine_id, why in failed.items():
+                log.error("engine %s did not take weight version %d: %s", engine_id, version, why)
+            updated = [h for i in done if (h := self.pool.handles.get(i)) is not None and h.alive and h.state in UPDATABLE]
+            if updated:
+                self.pool.set_version(version)
+                for h in updated:
+                    self.pool.mark_ready(h, version)
+                self.kept = None  # the front end never held these bytes: an older version must not catch up engines
+            left = sorted({h.engine_id for h in self.pool.live(UPDATABLE)} - {*done, *quarantined, *failed})
+            stale = f"the pool's engines changed since the route was read ({self._why})" if epoch != self._epoch \
+                else f"engines {left} were not sent the update" if left else ""
+            return {"version": version, "booked": [h.engine_id for h in updated], "stale": stale}
 
     # ------------------------------------------------------------------ the group
 

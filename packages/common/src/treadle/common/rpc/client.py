@@ -110,6 +110,12 @@ class RpcClient:
         return self._closed
 
     @property
+    def connected(self) -> bool:
+        """A connection to the server is up (its handshake done, not dropped since); tracked
+        only with ``fail_on_disconnect`` (else always False)."""
+        return self._connected
+
+    @property
     def in_flight(self) -> int:
         """Requests sent and not yet answered."""
         return len(self._pending)

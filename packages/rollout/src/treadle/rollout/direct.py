@@ -1,0 +1,130 @@
+"""Direct weight updates: a client on the daemon's host sends an update to each engine's own
+worker, not through the front end, and tells the front end afterwards.
+
+A relayed update costs two more hops than the engines' load needs (client -> front end ->
+worker and back), each a wake-up of an idle process: ~0.9 ms of a 5 ms cuda_ipc sync on one
+H200 (docs/benchmarks.md). ``RolloutClient.update_weights(update, direct=True)`` instead:
+
+1. reads the route once, ``weight_route`` on the front end: the engines an update goes to, the
+   endpoint each one's worker serves on (``ipc://`` or loopback tcp: this host only), and the
+   pool's membership epoch; it probes each worker once (``stats``) and keeps one client to it
+   (``DirectRoute``);
+2. sends the update to every worker at once (``update``), and builds the same report the front
+   end would (``updated``, ``failed``, ``loads``, ``events``) or the same error
+   (``EnginesQuarantined`` when a canary failed, the first engine's error when none loaded);
+3. tells the front end what they answered (``weights_loaded``) without waiting for it; the
+   client's next call to the daemon waits for that first. The front end books it as a relayed
+   update (version, ready, quarantine) and answers ``stale`` when the pool's engines changed
+   since the route was read; the client then reads the route again at the next update.
+
+An engine that restarted or joined after the route was read is not sent the update: like one
+that joins after a relayed cuda_ipc update, it waits ("behind") for the next, which goes to it
+through the new route. A route whose connection to a worker dropped is not used (the worker
+died: the front end restarts it under a new membership epoch). The front end keeps no
+weights from a direct update: use it for cuda_ipc (which the front end never holds anyway),
+not for inline updates meant to catch new engines up.
+
+What this module does not do: decide when to go direct (the caller's ``direct=``), or book
+anything (the front end, ``updates.WeightCoordinator.book``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+from typing import Any
+
+from treadle.common.errors import TreadleError
+from treadle.common.records import WeightUpdate
+from treadle.common.rpc import RpcClient
+from treadle.rollout.errors import EnginesQuarantined, is_canary, refine, tagged
+
+PROBE_TIMEOUT_S = 10.0  # a worker of a fresh route answers a ``stats`` within this, or the route is not used
+_LOOPBACK = ("127.", "localhost", "::1")
+
+
+def is_local(endpoint: str) -> bool:
+    """``endpoint`` is on this host: ``ipc://`` or tcp to a loopback address."""
+    if endpoint.startswith("ipc://"):
+        return True
+    if not endpoint.startswith("tcp://"):
+        return False
+    host = endpoint[len("tcp://"):].rsplit(":", 1)[0].strip("[]")
+    return host.startswith(_LOOPBACK)
+
+
+def reachable(endpoint: str) -> bool:
+    """A worker endpoint this process can connect to: loopback tcp, or an ``ipc://`` socket file
+    it can see (a process in another mount namespace, a container, sees none)."""
+    if endpoint.startswith("ipc://"):
+        return os.path.exists(endpoint[len("ipc://"):])
+    return is_local(endpoint)
+
+
+class DirectRoute:
+    """The engines of one ``weight_route`` answer, a client to each one's worker."""
+
+    def __init__(self, epoch: int, clients: dict[str, RpcClient]) -> None:
+        self.epoch = epoch
+        self.clients = clients
+
+    @classmethod
+    async def open(cls, args: dict[str, Any]) -> DirectRoute | None:
+        """The route the front end answered (``epoch``, ``engines``: id -> endpoint), its
+        workers probed; None when one cannot be reached from here."""
+        engines, epoch = dict(args.get("engines", {})), int(args.get("epoch", -1))
+        if not engines or not all(isinstance(e, str) and reachable(e) for e in engines.values()):
+            return None
+        # the route is dropped when a connection drops: a call must not wait for a dead worker
+        route = cls(epoch, {i: RpcClient(e, name=f"direct:{i}", fail_on_disconnect=True) for i, e in engines.items()})
+        try:
+            await asyncio.gather(*(c.call("stats", timeout=PROBE_TIMEOUT_S) for c in route.clients.values()))
+        except TreadleError:
+            await route.close()
+            return None
+        return route
+
+    def usable(self) -> bool:
+        """Every worker's connection is still up (one that dropped means it died)."""
+        return all(c.connected for c in self.clients.values())
+
+    async def close(self) -> None:
+        for c in self.clients.values():
+            with contextlib.suppress(Exception):
+                await c.close()
+
+    async def update(self, method: str, update: WeightUpdate, timeout: float
+                     ) -> tuple[dict[str, Any], dict[str, Any], BaseException | None]:
+        """Send ``update`` to every engine of the route; ``(report, booking, error)``: the report
+        the front end would answer, what to book there (``weights_loaded``'s args), and the error
+        to raise once that is on its way (None: return the report)."""
+        ids = list(self.clients)
+        replies = await asyncio.gather(*(self.clients[i].call(method, update, timeout=timeout) for i in ids),
+                                       return_exceptions=True)
+        updated: list[str] = []
+        quarantined: dict[str, BaseException] = {}
+        failed: dict[str, BaseException] = {}
+        loads: dict[str, Any] = {}
+        events: dict[str, bytes] = {}
+        for engine_id, r in zip(ids, replies, strict=True):
+            if isinstance(r, BaseException):
+                r = refine(r)
+                (quarantined if is_canary(r) else failed)[engine_id] = r
+                continue
+            updated.append(engine_id)
+            loads[engine_id] = dict(r.args.get("load") or {})
+            if r.args.get("event"):
+                events[engine_id] = r.args["event"]
+        booking = {"version": update.version, "epoch": self.epoch, "updated": updated,
+                   "quarantined": {k: str(v) for k, v in quarantined.items()},
+                   "failed": {k: str(v) for k, v in failed.items()}}
+        error: BaseException | None = None
+        if quarantined:
+            error = tagged(EnginesQuarantined, f"weight version {update.version}: "
+                           + "; ".join(f"{k}: {v}" for k, v in quarantined.items()))
+        elif not updated:
+            error = next(iter(failed.values()))
+        report = {"version": update.version, "updated": updated, "failed": booking["failed"], "loads": loads,
+                  **({"events": events} if events else {}), "direct": True}
+        return report, booking, error

@@ -1,0 +1,132 @@
+"""Direct weight updates (``RolloutClient.update_weights(direct=True)``) against a real daemon of
+two hf engines (``direct_daemon``): the update goes to each engine's worker and the front end
+books it afterwards; a stale version is refused by the engines and books nothing; a killed and
+restarted engine is reached, and the route read again after the daemon says it is stale; a
+canary failure quarantines as a relayed update's does; relayed updates still work in between.
+
+Inline updates stand in for cuda_ipc ones (which a CPU engine refuses): the path is the same.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import numpy as np
+
+from treadle.common.errors import BadRequest
+from treadle.common.records import WeightUpdate
+from treadle.rollout.client import EnginesQuarantined
+from treadle.rollout.direct import is_local, reachable
+
+PROMPT = np.array([5, 6, 7, 8, 9, 10, 11], dtype=np.int32)
+TOL = 1e-4
+
+
+def _update(weights, version, **kw) -> WeightUpdate:
+    return WeightUpdate(version=version, names=list(weights), dtypes=["float32"] * len(weights),
+                        shapes=[list(t.shape) for t in weights.values()], tensors=list(weights.values()), **kw)
+
+
+def _states(stats) -> dict[str, tuple[str, int]]:
+    return {e["engine_id"]: (e["state"], e["version"]) for e in stats["engines"]}
+
+
+def test_local_endpoints_and_reachable_workers():
+    assert is_local("ipc:///tmp/x.sock") and is_local("tcp://127.0.0.1:5570") and is_local("tcp://localhost:1")
+    assert not is_local("tcp://10.0.0.1:5570") and not is_local("inproc://x")
+    assert not reachable("ipc:///nonexistent/treadle/e0.sock") and reachable("tcp://127.0.0.1:1")
+
+
+def test_direct_updates_reach_every_engine_and_the_daemon_books_them(direct_daemon, aio, models, ref, tools):
+    a, b = tools.checkpoint(models["a"]), tools.checkpoint(models["b"])
+
+    async def scenario(rc):
+        first = await rc.update_weights(_update(b, 1), direct=True)
+        route = rc._direct
+        after_first = await rc.stats()  # waits for the booking
+        greedy = (await rc.generate(PROMPT, None, min_version=1))[0]
+        second = await rc.update_weights(_update(a, 2), direct=True)
+        try:
+            await rc.update_weights(_update(b, 2), direct=True)  # not newer: both engines refuse
+            refused = None
+        except BadRequest as e:
+            refused = e
+        return first, route, after_first, greedy, second, rc._direct, refused, await rc.stats(), await rc.weight_digest()
+
+    first, route, after_first, greedy, second, route2, refused, stats, digests = direct_daemon.call(aio, scenario)
+    assert first["direct"] and sorted(first["updated"]) == ["e0", "e1"] and first["version"] == 1
+    assert all("called" in first["loads"][e] and "done" in first["loads"][e] for e in ("e0", "e1"))
+    assert after_first["version"] == 1 and set(_states(after_first).values()) == {("ready", 1)}
+    assert greedy.weight_version == 1
+    assert np.abs(tools.logprobs(ref["b"], PROMPT, greedy.response_token_ids, temperature=0.0)
+                  - greedy.logprobs).max() <= TOL
+    assert second["direct"] and second["version"] == 2 and route2 is route  # the route is kept
+    assert refused is not None and "not newer" in str(refused)
+    assert stats["version"] == 2 and set(_states(stats).values()) == {("ready", 2)}
+    assert len(set(digests.values())) == 1
+
+
+def test_a_restarted_engine_is_reached_and_the_route_read_again(direct_daemon, aio, models, ref, tools):
+    """Runs after the test above (version 2, model a). The killed engine comes back on the
+    checkpoint (version 0: the daemon kept no weights from a direct update), behind; the next
+    direct update reaches it (its worker serves on the same endpoint), the daemon books it and
+    answers that the route is stale (the membership changed), so the one after reads it again."""
+    import asyncio
+
+    b = tools.checkpoint(models["b"])
+
+    async def scenario(rc):
+        await rc.update_weights(_update(b, 3), direct=True)
+        route = rc._direct
+        pid = {e["engine_id"]: e["pid"] for e in (await rc.stats())["engines"]}["e0"]
+        os.kill(pid, signal.SIGKILL)
+        while True:
+            engines = {e["engine_id"]: e for e in (await rc.stats())["engines"]}
+            if engines["e0"]["pid"] != pid and engines["e0"]["state"] in ("ready", "behind"):
+                break
+            await asyncio.sleep(0.2)
+        behind = _states(await rc.stats())
+        report = await rc.update_weights(_update(b, 4), direct=True)
+        booked = _states(await rc.stats())  # waits for the booking
+        dropped = rc._direct is None
+        again = await rc.update_weights(_update(b, 5), direct=True)
+        relayed = await rc.update_weights(_update(b, 6))  # relayed, after direct ones
+        return route, dropped, rc._direct, behind, report, booked, again, relayed, await rc.stats(), \
+            await rc.weight_digest()
+
+    route, dropped, route2, behind, report, booked, again, relayed, stats, digests = \
+        direct_daemon.call(aio, scenario, timeout=240)
+    assert behind["e0"] == ("behind", 0) and behind["e1"] == ("ready", 3)
+    assert report["direct"] and sorted(report["updated"]) == ["e0", "e1"]
+    assert set(booked.values()) == {("ready", 4)} and dropped
+    assert again["direct"] and sorted(again["updated"]) == ["e0", "e1"] and route2 is not None and route2 is not route
+    assert "direct" not in relayed and sorted(relayed["updated"]) == ["e0", "e1"]
+    assert stats["version"] == 6 and set(_states(stats).values()) == {("ready", 6)}
+    assert len(set(digests.values())) == 1
+
+
+def test_a_canary_failure_on_a_direct_update_quarantines_until_a_good_one(direct_daemon, aio, models, ref, tools):
+    """Runs after the tests above (version 6, model b)."""
+    a = tools.checkpoint(models["a"])
+    canary = np.arange(40, 60, dtype=np.int32)
+    wrong = tools.prompt_logprobs(ref["b"], canary).astype(np.float32)  # the engines will hold model a
+
+    async def scenario(rc):
+        try:
+            await rc.update_weights(_update(a, 7, canary_token_ids=canary, canary_logprobs=wrong,
+                                            canary_tolerance=1e-4), direct=True)
+            raised = None
+        except EnginesQuarantined as e:
+            raised = e
+        quarantined = _states(await rc.stats())
+        right = tools.prompt_logprobs(ref["a"], canary).astype(np.float32)
+        report = await rc.update_weights(_update(a, 8, canary_token_ids=canary, canary_logprobs=right,
+                                                 canary_tolerance=1e-4), direct=True)
+        return raised, quarantined, report, await rc.stats()
+
+    raised, quarantined, report, stats = direct_daemon.call(aio, scenario, timeout=120)
+    assert raised is not None and "e0" in str(raised) and "e1" in str(raised)
+    assert {s for s, _ in quarantined.values()} == {"quarantined"}
+    assert sorted(report["updated"]) == ["e0", "e1"]
+    assert stats["version"] == 8 and set(_states(stats).values()) == {("ready", 8)}
