@@ -67,22 +67,25 @@ def _daemon(name: str, args: list[str], aio: Any, tools: Any, engines: int) -> A
     return d
 
 
-@pytest.fixture(scope="session")
-def hf_daemon(aio: Any, models: dict[str, Path], tools: Any) -> Daemon:
+def _two_hf_engines(name: str, aio: Any, models: dict[str, Path], tools: Any) -> Any:
     """Two hf engines on tiny model "a"."""
-    d = _daemon("hf", ["--model", str(models["a"]), "--engines", "2", "--backend", "hf",
+    d = _daemon(name, ["--model", str(models["a"]), "--engines", "2", "--backend", "hf",
                        "--route_timeout_s", "60", "--health_interval_s", "1"], aio, tools, 2)
     yield d
     d.stop()
 
 
 @pytest.fixture(scope="session")
+def hf_daemon(aio: Any, models: dict[str, Path], tools: Any) -> Daemon:
+    """Two hf engines on tiny model "a"."""
+    yield from _two_hf_engines("hf", aio, models, tools)
+
+
+@pytest.fixture(scope="session")
 def direct_daemon(aio: Any, models: dict[str, Path], tools: Any) -> Daemon:
-    """Two hf engines on tiny model "a", for direct weight updates (test_daemon_direct)."""
-    d = _daemon("direct", ["--model", str(models["a"]), "--engines", "2", "--backend", "hf",
-                           "--route_timeout_s", "60", "--health_interval_s", "1"], aio, tools, 2)
-    yield d
-    d.stop()
+    """Two hf engines on tiny model "a", of their own: direct weight updates (test_daemon_direct)
+    move them through versions the other daemon tests do not expect."""
+    yield from _two_hf_engines("direct", aio, models, tools)
 
 
 @pytest.fixture(scope="session")

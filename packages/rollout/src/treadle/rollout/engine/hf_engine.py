@@ -399,7 +399,7 @@ class HfEngine(Engine):
         copy tensor by tensor."""
         m = self._mirror
         if m is not None and m.names == update.names and m.pieces == update.ipc_pieces and m.intact():
-            return m.buffers(), [storages[k][lo:hi] for k, lo, hi in m.spans]
+            return m.bufs, [storages[k][lo:hi] for k, lo, hi in m.spans]
         if not update.ipc_keep:  # a sender that frees its memory between syncs sleeps us too (which drops
             return None  # the mirror): laying it out again at every sync would cost more than it saves
         plan = mirror_spans(update.dtypes, update.ipc_pieces, spans)
@@ -425,7 +425,7 @@ class HfEngine(Engine):
                                at=[b.data_ptr() + update.ipc_pieces[spans[k][0]][1] - lo for k, lo, _, b in laid])
         log.info("engine %s: parameters laid out as the sender's storages (%d spans, %.1f MB): an in-place "
                  "update is one copy a span", self.engine_id, len(laid), sum(hi - lo for _, lo, hi in plan) / 1e6)
-        return self._mirror.buffers(), [storages[k][lo:hi] for k, lo, hi in self._mirror.spans]
+        return self._mirror.bufs, [storages[k][lo:hi] for k, lo, hi in self._mirror.spans]
 
     def _word_pairs(self, pairs: _Pairs, size: int, indices: Iterable[int], pieces: Iterable[torch.Tensor],
                     update: WeightUpdate) -> None:
@@ -661,9 +661,6 @@ class _Mirror:
     bufs: list[torch.Tensor]
     firsts: list[torch.Tensor]  # the first parameter laid in each buffer
     at: list[int]  # and where its data was put
-
-    def buffers(self) -> list[torch.Tensor]:
-        return self.bufs
 
     def intact(self) -> bool:
         """The parameters still lie in the buffers (checked on each buffer's first)."""
