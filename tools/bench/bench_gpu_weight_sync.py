@@ -597,15 +597,15 @@ def report_lines(res: dict) -> list[str]:
     lines = [f"{res['tensors']} tensors, {res['bytes'] / 1e9:.2f} GB bf16, buckets {res['buckets']}",
              f"correctness: {json.dumps(res['correctness'])}",
              f"{'op/layout (median ms)':<24}{'total':>10}{'gather':>10}{'send':>10}{'accept':>10}{'answer':>10}"
-             "   engine: received, [signalled,] called, loading, [mapped, copying, copied,] loaded, done (ms into the sync)"]
+             "   the update's stamps, ms into the sync (sent: the client sent it direct; received: it reached the front end)"]
     for k in sorted(res["medians_s"]):
         m = res["medians_s"][k]
-        engine = [m[f"engine_{f}_s"] for f in ("received", "signalled", "called", "loading", "mapped", "copying",
-                                                "copied", "loaded", "done")
+        engine = [(f, m[f"engine_{f}_s"]) for f in ("sent", "received", "signalled", "called", "loading", "mapped",
+                                                     "copying", "copied", "loaded", "done")
                   if f"engine_{f}_s" in m]
         lines.append(f"{k:<24}" + "".join(f"{m.get(f, 0) * 1e3:>10.1f}"
                                            for f in ("s", "gather_s", "send_s", "accept_s", "answer_s"))
-                     + ("   " + ", ".join(f"{t * 1e3:.1f}" for t in engine) if engine else ""))
+                     + ("   " + ", ".join(f"{f} {t * 1e3:.1f}" for f, t in engine) if engine else ""))
     for k, r in res["ratios"].items():
         lines.append(f"{k}: end-to-end/raw {r['end_to_end_vs_raw']:.2f}x, transfer/raw {r['transfer_vs_raw']:.2f}x, "
                      f"end-to-end/(gather+pack + raw) {r['end_to_end_vs_gather_pack_plus_raw']:.2f}x")

@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import time
 from typing import Any
 
 from treadle.common.errors import TreadleError
@@ -100,6 +101,7 @@ class DirectRoute:
         the front end would answer, what to book there (``weights_loaded``'s args), and the error
         to raise once that is on its way (None: return the report)."""
         ids = list(self.clients)
+        sent = time.time()  # the first of each engine's stamps (a relayed update's is "received")
         replies = await asyncio.gather(*(self.clients[i].call(method, update, timeout=timeout) for i in ids),
                                        return_exceptions=True)
         updated: list[str] = []
@@ -113,7 +115,7 @@ class DirectRoute:
                 (quarantined if is_canary(r) else failed)[engine_id] = r
                 continue
             updated.append(engine_id)
-            loads[engine_id] = dict(r.args.get("load") or {})
+            loads[engine_id] = {"sent": sent, **(r.args.get("load") or {})}
             if r.args.get("event"):
                 events[engine_id] = r.args["event"]
         booking = {"version": update.version, "epoch": self.epoch, "updated": updated,
