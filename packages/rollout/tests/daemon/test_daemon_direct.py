@@ -136,3 +136,40 @@ def test_a_canary_failure_on_a_direct_update_quarantines_until_a_good_one(direct
     assert {s for s, _ in quarantined.values()} == {"quarantined"}
     assert sorted(report["updated"]) == ["e0", "e1"]
     assert stats["version"] == 8 and set(_states(stats).values()) == {("ready", 8)}
+
+
+def test_direct_falls_back_to_relaying_where_it_cannot_go(aio, tmp_path):
+    """Against a stand-in front end (a named fake: an ``RpcServer`` with the daemon's update
+    stream, standing in for an older daemon and for one whose workers this process cannot see),
+    ``direct=True`` relays: without ``weight_route`` (``UnknownMethod``) it stops asking; with a
+    route to an ``ipc://`` path that is not there it relays this update."""
+    from treadle.common.records import Control
+    from treadle.common.rpc import RpcServer
+    from treadle.rollout.client import RolloutClient
+
+    relayed = []
+
+    async def update_weights(msg, ctx):
+        relayed.append(msg.version)
+        yield Control(op="accepted", args={"version": msg.version})
+        yield Control(op="updated", args={"version": msg.version, "updated": ["e0"], "failed": {}, "loads": {}})
+
+    async def weight_route(msg, ctx):
+        return Control(op="route", args={"epoch": 1, "engines": {"e0": f"ipc://{tmp_path}/gone/e0.sock"}})
+
+    async def scenario(handlers):
+        server = RpcServer(name="fake-front-end", endpoint=f"ipc://{tmp_path}/fe-{len(handlers)}.sock", handlers=handlers)
+        endpoint = await server.start()
+        try:
+            async with RolloutClient(endpoint) as rc:
+                first = await rc.update_weights(_update({"w": np.zeros(2, np.float32)}, 1), direct=True)
+                second = await rc.update_weights(_update({"w": np.zeros(2, np.float32)}, 2), direct=True)
+                return first, second, rc._direct_off
+        finally:
+            await server.close()
+
+    first, second, off = aio(scenario({"update_weights": update_weights}))
+    assert "direct" not in first and "direct" not in second and "older version" in off
+    first, second, off = aio(scenario({"update_weights": update_weights, "weight_route": weight_route}))
+    assert "direct" not in first and "direct" not in second and off == ""
+    assert relayed == [1, 2, 1, 2]
