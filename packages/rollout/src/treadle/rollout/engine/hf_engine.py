@@ -393,10 +393,9 @@ class HfEngine(Engine):
         that holds the sent tensors into a buffer of the engine's own where its parameters lie as
         they do in the sender's (``_Mirror``: the parameters' data rebound to views of it, made at
         the first in-place update of a layout; their old values are not kept: every sent byte is
-        copied in). None where the layout does not allow
-        it (a tensor whose bytes are not aligned to its dtype, overlapping tensors, storages
-        whose span is mostly other bytes: ``mirror_spans``) or an update without ``ipc_keep``:
-        copy tensor by tensor."""
+        copied in). None, to copy tensor by tensor, where the layout does not allow it (a tensor
+        whose bytes are not aligned to its dtype, overlapping tensors, storages whose span is
+        mostly other bytes: ``mirror_spans``) or for an update without ``ipc_keep``."""
         m = self._mirror
         if m is not None and m.names == update.names and m.pieces == update.ipc_pieces and m.intact():
             return m.bufs, [storages[k][lo:hi] for k, lo, hi in m.spans]
