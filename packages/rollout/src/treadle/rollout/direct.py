@@ -9,9 +9,8 @@ H200 (docs/benchmarks.md). ``RolloutClient.update_weights(update, direct=True)``
    endpoint each one's worker serves on (``ipc://`` or loopback tcp: this host only), and the
    pool's membership epoch; it probes each worker once (``stats``) and keeps one client to it
    (``DirectRoute``);
-2. sends the update to every worker at once (``update``), and builds the same report the front
-   end would (``updated``, ``failed``, ``loads``, ``events``) or the same error
-   (``EnginesQuarantined`` when a canary failed, the first engine's error when none loaded);
+2. sends the update to every worker at once (``update``), and sorts their answers as the front
+   end sorts a relayed update's (``answers.Answers``): the same report, or the same error;
 3. tells the front end what they answered (``weights_loaded``) without waiting for it; the
    client's next call to the daemon waits for that first. The front end books it as a relayed
    update (version, ready, quarantine) and answers ``stale`` when the pool's engines changed
@@ -39,7 +38,7 @@ from typing import Any
 from treadle.common.errors import TreadleError
 from treadle.common.records import WeightUpdate
 from treadle.common.rpc import RpcClient
-from treadle.rollout.errors import EnginesQuarantined, is_canary, refine, tagged
+from treadle.rollout.answers import Answers
 
 PROBE_TIMEOUT_S = 10.0  # a worker of a fresh route answers a ``stats`` within this, or the route is not used
 _LOOPBACK = ("127.", "localhost", "::1")
@@ -104,29 +103,7 @@ class DirectRoute:
         sent = time.time()  # the first of each engine's stamps (a relayed update's is "received")
         replies = await asyncio.gather(*(self.clients[i].call(method, update, timeout=timeout) for i in ids),
                                        return_exceptions=True)
-        updated: list[str] = []
-        quarantined: dict[str, BaseException] = {}
-        failed: dict[str, BaseException] = {}
-        loads: dict[str, Any] = {}
-        events: dict[str, bytes] = {}
-        for engine_id, r in zip(ids, replies, strict=True):
-            if isinstance(r, BaseException):
-                r = refine(r)
-                (quarantined if is_canary(r) else failed)[engine_id] = r
-                continue
-            updated.append(engine_id)
-            loads[engine_id] = {"sent": sent, **(r.args.get("load") or {})}
-            if r.args.get("event"):
-                events[engine_id] = r.args["event"]
-        booking = {"version": update.version, "epoch": self.epoch, "updated": updated,
-                   "quarantined": {k: str(v) for k, v in quarantined.items()},
-                   "failed": {k: str(v) for k, v in failed.items()}}
-        error: BaseException | None = None
-        if quarantined:
-            error = tagged(EnginesQuarantined, f"weight version {update.version}: "
-                           + "; ".join(f"{k}: {v}" for k, v in quarantined.items()))
-        elif not updated:
-            error = next(iter(failed.values()))
-        report = {"version": update.version, "updated": updated, "failed": booking["failed"], "loads": loads,
-                  **({"events": events} if events else {}), "direct": True}
-        return report, booking, error
+        answers = Answers.sort(update.version, dict(zip(ids, replies, strict=True)), {"sent": sent})
+        booking = {"version": update.version, "epoch": self.epoch, "updated": answers.updated,
+                   "quarantined": answers.quarantined, "failed": answers.failures()}
+        return {**answers.report(), "direct": True}, booking, answers.error()

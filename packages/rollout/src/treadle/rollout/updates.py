@@ -54,7 +54,8 @@ import msgspec
 from treadle.common.errors import BadRequest, TreadleError
 from treadle.common.log import get_logger
 from treadle.common.records import Control, WeightUpdate
-from treadle.rollout.errors import EnginesQuarantined, NoEngine, WeightGroupStale, is_canary, tagged
+from treadle.rollout.answers import Answers
+from treadle.rollout.errors import NoEngine, WeightGroupStale, is_canary, tagged
 
 log = get_logger(__name__)
 UPDATABLE = ("ready", "quarantined", "behind")  # engines an update goes to
@@ -215,41 +216,34 @@ class WeightCoordinator:
 
     def _settle(self, update: WeightUpdate, targets: list[Any], replies: list[Any], keep: Any,
                 received: float) -> dict[str, Any]:
-        """Book the engines' answers: move the pool's version, quarantine canary failures, keep
-        the weights; raise ``EnginesQuarantined`` or (nothing loaded anywhere) the first error.
-        ``received``: when the update reached the front end, the first of each engine's stamps."""
-        updated, quarantined, failed = [], {}, {}
-        for h, r in zip(targets, replies, strict=True):
-            if not isinstance(r, BaseException):
-                updated.append(h)
-            elif is_canary(r):
-                self.pool.quarantine(h, r.message)
-                quarantined[h.engine_id] = r.message
-            else:
-                failed[h.engine_id] = r
-        if updated:
-            self.pool.set_version(update.version)
-            for h in updated:
-                self.pool.mark_ready(h, update.version)
+        """Book the engines' answers (``_book``) and keep the weights; raise ``EnginesQuarantined``
+        or (nothing loaded anywhere) the first error (``Answers``). ``received``: when the update
+        reached the front end, the first of each engine's stamps."""
+        answers = Answers.sort(update.version, {h.engine_id: r for h, r in zip(targets, replies, strict=True)},
+                               {"received": received})
+        self._book(answers, [h for h in targets if h.engine_id in answers.updated])
+        if answers.updated:
             kept = keep()
             if kept is not None and self.pool.cfg.keep_weights:
                 self.kept = Kept(update=kept)
             elif update.transport == "cuda_ipc":  # an older kept version must not catch engines up
                 self.kept = None
-        for engine_id, e in failed.items():
-            log.error("engine %s did not take weight version %d: %s", engine_id, update.version, e)
-        if quarantined:
-            raise tagged(EnginesQuarantined, f"weight version {update.version}: "
-                         + "; ".join(f"{k}: {v}" for k, v in quarantined.items()))
-        if not updated:
-            raise next(iter(failed.values()))
-        loads = {h.engine_id: {"received": received, **(r.args.get("load") or {})} for h, r in zip(targets, replies, strict=True)
-                 if h in updated and isinstance(r, Control)}  # the engines' stamps (``Engine.last_load``)
-        # the CUDA IPC events of engines that answered before their copies finished (``ipc_event``)
-        events = {h.engine_id: r.args["event"] for h, r in zip(targets, replies, strict=True)
-                  if h in updated and isinstance(r, Control) and r.args.get("event")}
-        return {"version": update.version, "updated": [h.engine_id for h in updated],
-                "failed": {k: str(v) for k, v in failed.items()}, "loads": loads, **({"events": events} if events else {})}
+        if (error := answers.error()) is not None:
+            raise error
+        return answers.report()
+
+    def _book(self, answers: Answers, updated: list[Any]) -> None:
+        """Quarantine the canary failures, move the pool to the version ``updated`` (handles)
+        loaded, log the failures."""
+        for engine_id, why in answers.quarantined.items():
+            if (h := self.pool.handles.get(engine_id)) is not None:
+                self.pool.quarantine(h, why)
+        if updated:
+            self.pool.set_version(answers.version)
+            for h in updated:
+                self.pool.mark_ready(h, answers.version)
+        for engine_id, e in answers.failed.items():
+            log.error("engine %s did not take weight version %d: %s", engine_id, answers.version, e)
 
     # ------------------------------------------------------------------ direct updates
 
@@ -267,27 +261,24 @@ class WeightCoordinator:
         ``{"version", "booked", "stale"}`` (``stale``: why the client should ask for the route
         again, or "")."""
         try:
-            version, epoch = int(args["version"]), int(args["epoch"])
-            done, quarantined, failed = list(args["updated"]), dict(args.get("quarantined", {})), \
-                dict(args.get("failed", {}))
+            epoch = int(args["epoch"])
+            answers = Answers(version=int(args["version"]), updated=list(args["updated"]),
+                              quarantined={str(k): str(v) for k, v in dict(args.get("quarantined", {})).items()},
+                              failed=dict(args.get("failed", {})), loads={}, events={})
         except (KeyError, TypeError, ValueError) as e:
             raise BadRequest(f"weights_loaded needs version, epoch, updated[, quarantined, failed], got {args!r}: "
                              f"{e}") from None
+        version = answers.version
         async with self.lock:
             if version <= self.pool.version:
                 raise BadRequest(f"direct weight update {version} is not newer than the pool's {self.pool.version}")
-            for engine_id, why in quarantined.items():
-                if (h := self.pool.handles.get(engine_id)) is not None:
-                    self.pool.quarantine(h, str(why))
-            for engine_id, why in failed.items():
-                log.error("engine %s did not take weight version %d: %s", engine_id, version, why)
-            updated = [h for i in done if (h := self.pool.handles.get(i)) is not None and h.alive and h.state in UPDATABLE]
+            updated = [h for i in answers.updated
+                       if (h := self.pool.handles.get(i)) is not None and h.alive and h.state in UPDATABLE]
+            self._book(answers, updated)
             if updated:
-                self.pool.set_version(version)
-                for h in updated:
-                    self.pool.mark_ready(h, version)
                 self.kept = None  # the front end never held these bytes: an older version must not catch up engines
-            left = sorted({h.engine_id for h in self.pool.live(UPDATABLE)} - {*done, *quarantined, *failed})
+            left = sorted({h.engine_id for h in self.pool.live(UPDATABLE)}
+                          - {*answers.updated, *answers.quarantined, *answers.failed})
             stale = f"the pool's engines changed since the route was read ({self._why})" if epoch != self._epoch \
                 else f"engines {left} were not sent the update" if left else ""
             return {"version": version, "booked": [h.engine_id for h in updated], "stale": stale}

@@ -489,9 +489,8 @@ class HfEngine(Engine):
     async def _check_ipc(self, update: WeightUpdate) -> None:
         from treadle.rollout.engine.ipc import check_colocated, loads
 
-        m = self._mapped
-        if m is not None and m.handles == update.ipc_handles and m.pieces == update.ipc_pieces and m.names == update.names:
-            return  # the kept mapping's: checked when it was mapped, and its storages have not changed
+        if self._mapped is not None and self._mapped.serves(update):
+            return  # checked when it was mapped, and its storages have not changed
         handles = [loads(h) for h in update.ipc_handles]
         if update.ipc_pieces:  # the sender's own tensors: each piece inside its storage, of its tensor's size
             for i, (k, off, nbytes) in enumerate(update.ipc_pieces):
@@ -529,7 +528,7 @@ class HfEngine(Engine):
         try:
             flats.extend(kept.storages if kept is not None else open_handles(update.ipc_handles, self.device))
             self._load_stamps["mapped"] = time.time()
-            if kept is not None and kept.names == update.names and kept.pieces == update.ipc_pieces:
+            if kept is not None and kept.serves(update):
                 pairs = kept.pairs
                 _copy_pairs(pairs)
             elif update.ipc_pieces:
@@ -645,6 +644,11 @@ class _Mapped:
     names: list[str]
     pieces: list[tuple[int, int, int]]
     pairs: _Pairs
+
+    def serves(self, update: WeightUpdate) -> bool:
+        """``update`` names the same handles and the same tensors in the same places: its copies
+        are this mapping's."""
+        return self.handles == update.ipc_handles and self.names == update.names and self.pieces == update.ipc_pieces
 
 
 @dataclass(slots=True, kw_only=True)
