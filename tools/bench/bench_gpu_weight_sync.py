@@ -305,7 +305,7 @@ class Bench:
         stamps = next(iter(r.engine_seconds.values()), {})  # one engine: when the update reached it, ...
         return {"s": time.perf_counter() - start, "gather_s": r.gather_seconds, "send_s": r.send_seconds,
                 "accept_s": r.accept_seconds, "answer_s": r.answer_seconds, "buckets": r.buckets,
-                **{f"engine_{k}_s": v for k, v in stamps.items()}}
+                **{f"engine_{k}_s": v for k, v in stamps.items()}, **{f"trainer_{k}_s": v for k, v in r.stamps.items()}}
 
     # -- raw transfers (rank 0 and a raw receiver; the other ranks wait)
 
@@ -600,7 +600,8 @@ def report_lines(res: dict) -> list[str]:
              "   the update's stamps, ms into the sync (sent: the client sent it direct; received: it reached the front end)"]
     for k in sorted(res["medians_s"]):
         m = res["medians_s"][k]
-        engine = [(f, m[f"engine_{f}_s"]) for f in ("sent", "received", "signalled", "called", "loading", "mapped",
+        engine = [(f, m[f"trainer_{f}_s"]) for f in ("planned", "placed", "headed") if f"trainer_{f}_s" in m]
+        engine += [(f, m[f"engine_{f}_s"]) for f in ("begun", "sent", "received", "signalled", "called", "loading", "mapped",
                                                      "copying", "copied", "loaded", "done")
                   if f"engine_{f}_s" in m]
         lines.append(f"{k:<24}" + "".join(f"{m.get(f, 0) * 1e3:>10.1f}"

@@ -467,6 +467,7 @@ def run_zero3(daemon: Daemon, model: Path, out: Path, nproc: int, run_torchrun: 
         stamps = r["report"]["engine_seconds"]["e0"]
         times = [stamps[k] for k in ("called", "loading", "loaded", "done")]
         assert times == sorted(times) and times[0] >= -0.05 and times[-1] <= r["report"]["seconds"] + 0.05, name
+        assert 0 <= r["report"]["stamps"]["planned"] <= times[0] + 0.05, name  # the sender's own, before the engine's
     assert main["bucketed"]["report"]["buckets"] > 1 and main["per_tensor"]["report"]["buckets"] == 26
     # ramped: the tied embedding, first in the model's order and larger than a bucket, was sent last
     assert main["model_order"][0] == main["sent_order"][-1] == "model.embed_tokens.weight"
@@ -490,7 +491,7 @@ def run_zero3(daemon: Daemon, model: Path, out: Path, nproc: int, run_torchrun: 
 def test_zero3_two_ranks_send_intact_weights(daemon, model_b, tmp_path, run_torchrun):
     results = run_zero3(daemon, model_b, tmp_path, 2, run_torchrun)
     assert results[1]["bucketed"]["report"]["updated"] == []  # only rank 0 talks to the daemon
-    assert results[1]["bucketed"]["report"]["engine_seconds"] == {}
+    assert results[1]["bucketed"]["report"]["engine_seconds"] == {} == results[1]["bucketed"]["report"]["stamps"]
 
 
 @pytest.mark.slow
@@ -546,6 +547,12 @@ def test_planner_keeps_the_plan_until_a_tensor_it_names_changes():
     replanned(lambda: model.__setitem__(1, torch.nn.LayerNorm(4)))  # a child replaced
     assert "scale" not in replanned(lambda: model._non_persistent_buffers_set.add("scale"))
     assert [it.sources[0] for it in planner(model)][0] is model[0].weight  # the current objects
+    # a ZeRO-3 partition (as DeepSpeed leaves it: an empty tensor, the whole shape in ds_shape)
+    w, before = model[0].weight, planner(model)
+    w.data, w.ds_shape = torch.empty(0, dtype=w.dtype), torch.Size([5, 3])
+    assert planner(model) is not before  # its shape changed
+    replanned(lambda: setattr(w, "ds_shape", torch.Size([3, 5])))  # another full shape
+    replanned(lambda: delattr(w, "ds_shape"))  # a partition no longer
 
 
 def test_a_transfer_whose_client_is_closed_answers_with_the_error_at_once():

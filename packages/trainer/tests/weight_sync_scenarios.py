@@ -96,7 +96,8 @@ def check(engine, client, digest: bool = True) -> dict:  # noqa: ANN001
 
 def report(r) -> dict:  # noqa: ANN001
     return {"version": r.version, "tensors": r.tensors, "bytes": r.bytes, "buckets": r.buckets,
-            "updated": r.updated, "failed": r.failed, "seconds": r.seconds, "engine_seconds": r.engine_seconds}
+            "updated": r.updated, "failed": r.failed, "seconds": r.seconds, "engine_seconds": r.engine_seconds,
+            "stamps": r.stamps}
 
 
 def attempt(fn) -> str:  # noqa: ANN001

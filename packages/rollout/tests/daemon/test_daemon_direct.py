@@ -56,7 +56,8 @@ def test_direct_updates_reach_every_engine_and_the_daemon_books_them(direct_daem
 
     first, route, after_first, greedy, second, route2, refused, stats, digests = direct_daemon.call(aio, scenario)
     assert first["direct"] and sorted(first["updated"]) == ["e0", "e1"] and first["version"] == 1
-    assert all(list(first["loads"][e])[:2] == ["sent", "called"] and first["loads"][e]["sent"] <= first["loads"][e]["called"]
+    assert all(list(first["loads"][e])[:3] == ["begun", "sent", "called"]
+               and first["loads"][e]["begun"] <= first["loads"][e]["sent"] <= first["loads"][e]["called"]
                <= first["loads"][e]["done"] for e in ("e0", "e1"))
     assert after_first["version"] == 1 and set(_states(after_first).values()) == {("ready", 1)}
     assert greedy.weight_version == 1

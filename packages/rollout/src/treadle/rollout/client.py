@@ -28,6 +28,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import math
+import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any, Literal, TypeVar
 
@@ -153,9 +154,10 @@ class RolloutClient:
             raise BadRequest("a collective update needs send= (the sender's broadcast); an inline one must not have it")
         method = "update_weights_abort" if mode == "abort" else "update_weights"
         if direct and send is None:
+            begun = time.time()
             route = await self._route()
             if route is not None:
-                report, booking, error = await route.update(method, update, timeout)
+                report, booking, error = await route.update(method, update, timeout, begun)
                 self._booking = asyncio.ensure_future(self._book(route, booking))
                 if error is not None:
                     raise error

@@ -94,16 +94,18 @@ class DirectRoute:
             with contextlib.suppress(Exception):
                 await c.close()
 
-    async def update(self, method: str, update: WeightUpdate, timeout: float
+    async def update(self, method: str, update: WeightUpdate, timeout: float, begun: float | None = None
                      ) -> tuple[dict[str, Any], dict[str, Any], BaseException | None]:
         """Send ``update`` to every engine of the route; ``(report, booking, error)``: the report
         the front end would answer, what to book there (``weights_loaded``'s args), and the error
-        to raise once that is on its way (None: return the report)."""
+        to raise once that is on its way (None: return the report). ``begun``: when the client's
+        call started (on its loop), the first of each engine's stamps."""
         ids = list(self.clients)
         sent = time.time()  # the first of each engine's stamps (a relayed update's is "received")
         replies = await asyncio.gather(*(self.clients[i].call(method, update, timeout=timeout) for i in ids),
                                        return_exceptions=True)
-        answers = Answers.sort(update.version, dict(zip(ids, replies, strict=True)), {"sent": sent})
+        first = {"begun": begun, "sent": sent} if begun is not None else {"sent": sent}
+        answers = Answers.sort(update.version, dict(zip(ids, replies, strict=True)), first)
         booking = {"version": update.version, "epoch": self.epoch, "updated": answers.updated,
                    "quarantined": answers.quarantined, "failed": answers.failures()}
         return {**answers.report(), "direct": True}, booking, answers.error()

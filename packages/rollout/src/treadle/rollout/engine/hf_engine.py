@@ -128,6 +128,7 @@ class HfEngine(Engine):
         self.config = config
         self.device = torch.device(config.device)
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"{config.engine_id}-model")
+        self._calls = 0  # ``_call``s in flight on the model thread
         self._queue: collections.deque[_Request] = collections.deque()
         self._running: list[_Row] = []
         self._wake = asyncio.Event()
@@ -144,7 +145,11 @@ class HfEngine(Engine):
 
     async def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run ``fn(*args)`` on the model thread."""
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+        self._calls += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+        finally:
+            self._calls -= 1
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -554,6 +559,13 @@ class HfEngine(Engine):
             flats = []
 
     async def _load_ipc(self, update: WeightUpdate) -> None:
+        if update.ipc_event and self._calls == 0 and self._mapped is not None and self._mapped.serves(update):
+            # A kept mapping's copies are only queued, with the event after them: done here, on
+            # the loop, while the model thread is idle (no call in flight, and none can start
+            # before this returns), which spares two thread hops (~0.5 ms on an H200 host).
+            with torch.cuda.device(self.device):
+                self._copy_ipc(update)
+            return
         await self._call(self._copy_ipc, update)
 
     async def _join_group(self, spec: GroupSpec) -> None:

@@ -45,6 +45,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import operator
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -170,7 +171,11 @@ class Planner:
         self._seen = -1  # ``_structure_changes`` when planned
         self._dicts: list[Any] = []  # each module's _parameters, _buffers, _modules, non-persistent names
         self._sizes: list[int] = []  # and their lengths when planned
-        self._shapes: list[tuple[torch.Tensor, torch.dtype, Any]] = []  # each source, its dtype and shape
+        self._sources: list[torch.Tensor] = []  # every sent tensor's sources
+        self._dtypes: list[torch.dtype] = []  # and their dtypes when planned
+        self._sharded: list[torch.Tensor] = []  # the sources that are ZeRO-3 partitions (a ds_shape)
+        self._whole: list[torch.Tensor] = []  # and the others
+        self._shapes: tuple[list[Any], list[Any]] = ([], [])  # their ds_shapes and shapes when planned
 
     def __call__(self, module: torch.nn.Module, dtype: torch.dtype | None = None) -> list[Item]:
         _watch_structure()
@@ -188,12 +193,25 @@ class Planner:
         self._dicts = [d for mod in mods
                        for d in (mod._parameters, mod._buffers, mod._modules, mod._non_persistent_buffers_set)]
         self._sizes = list(map(len, self._dicts))
-        self._shapes = [(t, t.dtype, getattr(t, "ds_shape", t.shape)) for it in items for t in it.sources]
+        self._sources = [t for it in items for t in it.sources]
+        self._dtypes = list(map(_DTYPE, self._sources))
+        self._sharded = [t for t in self._sources if hasattr(t, "ds_shape")]
+        self._whole = [t for t in self._sources if not hasattr(t, "ds_shape")]
+        self._shapes = (list(map(_DS_SHAPE, self._sharded)), list(map(_SHAPE, self._whole)))
         return items
 
     def _still(self) -> bool:
-        return (_STRUCTURE[0] == self._seen and list(map(len, self._dicts)) == self._sizes
-                and all(t.dtype == d and getattr(t, "ds_shape", t.shape) == s for t, d, s in self._shapes))
+        # map() with attribute getters: C loops, ~2x faster than a generator (0.02 ms for 338 tensors)
+        try:
+            return (_STRUCTURE[0] == self._seen and list(map(len, self._dicts)) == self._sizes
+                    and list(map(_DTYPE, self._sources)) == self._dtypes
+                    and list(map(_DS_SHAPE, self._sharded)) == self._shapes[0]
+                    and list(map(_SHAPE, self._whole)) == self._shapes[1])
+        except AttributeError:  # a partition is one no longer
+            return False
+
+
+_DTYPE, _SHAPE, _DS_SHAPE = operator.attrgetter("dtype"), operator.attrgetter("shape"), operator.attrgetter("ds_shape")
 
 
 _STRUCTURE = [0, False]  # registrations of parameters, buffers and modules seen on watched modules; hooks installed

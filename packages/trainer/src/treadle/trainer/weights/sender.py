@@ -61,6 +61,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import math
+import operator
 import socket
 import time
 from dataclasses import dataclass, field
@@ -200,6 +201,24 @@ class SyncReport:
     # (loading: drained, paused), ended (loaded) and the canary was checked (done); wall clocks
     # of two hosts, so only as good as their sync
     engine_seconds: dict[str, dict[str, float]] = field(default_factory=dict)
+    # rank 0, seconds from the start of ``sync``: the kept plan checked (planned), and for an
+    # in-place cuda_ipc sync the parameters' handles checked (placed) and the header made (headed)
+    stamps: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(slots=True, kw_only=True)
+class _Placed:
+    """Rank 0, cuda_ipc in place: ``_in_place``'s answer for a plan, while its tensors' memory
+    stays where it was (``ptrs``)."""
+
+    items: list[Item]  # the plan
+    sharded: list[torch.Tensor]  # its tensors that are ZeRO-3 parameters (their memory: ds_tensor)
+    whole: list[torch.Tensor]  # and the others
+    ptrs: list[int] = field(default_factory=list)  # where that memory lay (sharded first)
+    shared: tuple[list[bytes], list[tuple[int, int, int]]] | None = None  # handles and pieces, or None: pack
+
+
+_DATA_PTR, _DS_TENSOR = torch.Tensor.data_ptr, operator.attrgetter("ds_tensor")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -252,7 +271,7 @@ class WeightSender:
         self._stream: Any = None  # rank 0, GPU: the CUDA stream the broadcasts run on
         self._ipc_buffer: torch.Tensor | None = None
         self._ipc_shared: dict[int, tuple[Any, bytes]] = {}  # cuda_ipc in place: the storages shared, their handles
-        self._placed: tuple[Any, ...] | None = None  # cuda_ipc in place: (plan, its memory, ``_in_place``'s answer)
+        self._placed: _Placed | None = None  # cuda_ipc in place: ``_in_place``'s answer, kept
         self._events: dict[bytes, Any] = {}  # the engines' CUDA IPC events by handle (``ipc_event``), opened
         self._outcomes: Any = False  # the gloo group outcomes are shared over; False: not made yet
         self._peers: PeerReads | None = None
@@ -264,6 +283,7 @@ class WeightSender:
         self._arming: _Arming | None = None
         self._arm_refused = False  # the daemon cannot arm (its backend, or a keeper in the group): stop asking
         self._closed = False
+        self._stamps: dict[str, float] = {}  # rank 0: this sync's own stamps (``_stamp``)
 
     # ------------------------------------------------------------------ public
 
@@ -272,8 +292,10 @@ class WeightSender:
         if self._closed:
             raise RuntimeError("WeightSender.sync after close()")
         start, wall = time.perf_counter(), time.time()
+        self._stamps = {}
         items = self._in_send_order(self._plan(self._module, self._dtype))
         canary = self._canary()
+        self._stamp("planned")
         run = {"inline": self._sync_inline, "cuda_ipc": self._sync_ipc}.get(self.config.transport, self._sync_collective)
         try:
             answer, buckets, gather_s, send_s, *phases = run(version, items, canary)
@@ -286,14 +308,15 @@ class WeightSender:
                             send_seconds=send_s, **(phases[0] if phases else {}), updated=list(answer.get("updated", [])),
                             failed=sorted(answer.get("failed", {})),
                             engine_seconds={engine: {k: round(t - wall, 6) for k, t in stamps.items()}
-                                            for engine, stamps in answer.get("loads", {}).items()})
+                                            for engine, stamps in answer.get("loads", {}).items()},
+                            stamps={k: round(t - wall, 6) for k, t in self._stamps.items()})
         if self._is_main:
             log.info("weights sent", extra={"fields": {
                 "version": version, "tensors": report.tensors, "mb": round(report.bytes / 1e6, 1),
                 "buckets": buckets, "s": round(report.seconds, 3), "gather_s": round(gather_s, 3),
                 "send_s": round(send_s, 3), "accept_s": round(report.accept_seconds, 3),
                 "answer_s": round(report.answer_seconds, 3), "updated": report.updated, "failed": report.failed,
-                "engine_s": report.engine_seconds}})
+                "engine_s": report.engine_seconds, "stamps": report.stamps}})
         return report
 
     def arm(self, version: int) -> None:
@@ -419,6 +442,7 @@ class WeightSender:
     def _sync_ipc(self, version: int, items: list[Item], canary: np.ndarray | None) -> tuple:
         shared = self._in_place(items)
         if shared is not None:
+            self._stamp("placed")
             return self._sync_in_place(version, items, canary, shared)
         sizes = self._layout(items).sizes
         spans: list[tuple[int, int]] = []  # (offset, bytes) of each bucket in the buffer
@@ -467,11 +491,19 @@ class WeightSender:
             return None
         if self._zero3 and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
             return None
-        own = [p.ds_tensor if self._zero3 and hasattr(p, "ds_id") else p for p in (it.sources[0] for it in items)]
-        ptrs = [t.data_ptr() for t in own]
-        if self._placed is None or self._placed[0] is not items or self._placed[1] != ptrs:
-            self._placed = (items, ptrs, self._share_in_place(items, own))
-        return self._placed[2]
+        placed = self._placed
+        if placed is None or placed.items is not items:
+            firsts = [it.sources[0] for it in items]
+            sharded = [self._zero3 and hasattr(p, "ds_id") for p in firsts]
+            placed = _Placed(items=items, sharded=[p for p, z in zip(firsts, sharded, strict=True) if z],
+                             whole=[p for p, z in zip(firsts, sharded, strict=True) if not z])
+        # where their memory lies now (map() with C getters: ~0.02 ms for 338 tensors)
+        ptrs = list(map(_DATA_PTR, map(_DS_TENSOR, placed.sharded))) + list(map(_DATA_PTR, placed.whole))
+        if placed is not self._placed or ptrs != placed.ptrs:
+            own = [p.ds_tensor if self._zero3 and hasattr(p, "ds_id") else p for p in (it.sources[0] for it in items)]
+            placed.ptrs, placed.shared = ptrs, self._share_in_place(items, own)
+            self._placed = placed
+        return placed.shared
 
     def _share_in_place(self, items: list[Item], own: list[torch.Tensor]
                         ) -> tuple[list[bytes], list[tuple[int, int, int]]] | None:
@@ -500,6 +532,7 @@ class WeightSender:
             keep = self.config.ipc_keep
             update = self._header(version, items, canary, handles=shared[0], pieces=shared[1], keep=keep,
                                   event=keep and self.config.ipc_event)
+            self._stamp("headed")
             gather_s = time.perf_counter() - start
             answer = self._client.update_weights(update, mode=self.config.mode, direct=self.config.direct)
             self._wait_events(answer.get("events", {}))
@@ -508,6 +541,11 @@ class WeightSender:
         send_s = time.perf_counter() - start - gather_s
         raise_outcome(self._share(err), err, version)
         return answer, 1, gather_s, send_s
+
+    def _stamp(self, name: str) -> None:
+        """Rank 0: when this sync reached ``name`` (wall clock, as the engines' stamps)."""
+        if self._is_main:
+            self._stamps[name] = time.time()
 
     def _wait_events(self, events: dict[str, bytes]) -> None:
         """Make this rank's current stream wait for each engine's copies (their CUDA IPC events,
