@@ -32,7 +32,8 @@ trainer model from the same config (seed 1), wrapped in a ZeRO-3 DeepSpeed engin
 With ``--nproc_per_node 1`` on one GPU (a 1-rank trainer: nothing crosses NVLink) it runs the
 cuda_ipc path alone: the "ipc" daemon and raw receiver on GPU 0, the gathers, ``raw_ipc``,
 ``ipc`` (the engine reads the trainer's partitions in place: at one rank they are the whole
-tensors) and ``ipc_packed`` (packed buckets, as at two ranks).
+tensors; its header left out once the engine keeps it), ``ipc_whole`` (the same with the whole
+header every time) and ``ipc_packed`` (packed buckets, as at two ranks).
 
 Medians are reported with the ratios the issue sets goals for (NCCL path <= 1.3x raw NCCL, IPC
 path <= 1.5x raw IPC) and the same ratios for the transfer part alone (``send_s``: rank 0's
@@ -286,12 +287,13 @@ class Bench:
         (``WeightSender.arm``), with ``_packed`` a cuda_ipc sync that packs its buckets even where
         the engine could read the trainer's partitions in place (``SenderConfig.ipc_in_place``, the
         default: at one rank), with ``_direct`` the peers' memory packed from directly
-        (``PeerReads.direct``), with ``_ramp`` ramped buckets (``SenderConfig.ramp = RAMP``).
+        (``PeerReads.direct``), with ``_ramp`` ramped buckets (``SenderConfig.ramp = RAMP``), with
+        ``_whole`` a cuda_ipc sync that sends its whole header every time (``header_reuse`` off).
         Every sync starts after ``--idle-ms`` of quiet (as after training)."""
         daemon, flags = name.split("_")[0], name.split("_")[1:]
         sender.config = dataclasses.replace(sender.config, bucket_bytes=self.bucket_bytes[layout],
                                             peer_reads="peer" in flags, arm="arm" in flags,
-                                            ipc_in_place="packed" not in flags,
+                                            ipc_in_place="packed" not in flags, header_reuse="whole" not in flags,
                                             ramp=RAMP if "ramp" in flags else type(sender.config)().ramp)
         if sender._peers is not None:  # made at the first peer-read sync
             sender._peers.direct = "direct" in flags
@@ -343,16 +345,17 @@ class Bench:
 
 def schedule(repeats: int, ipc: bool, nccl: bool = True) -> list[list[tuple[str, str]]]:
     """Rounds of (op, layout); round 0 is the warm-up; every other round runs reversed. The
-    ``_peer``, ``_arm`` and ``_ramp`` syncs and ``pull_pack*`` run bucketed only. Without
+    ``_peer``, ``_arm``, ``_ramp`` and ``_whole`` syncs and ``pull_pack*`` run bucketed only. Without
     ``nccl`` (a 1-rank trainer on one GPU): the gathers, raw IPC and the cuda_ipc sync alone."""
     if not nccl:
-        ops = ["gather_all", "gather", "gather_pack", "raw_ipc", "ipc", "ipc_packed"]
+        ops = ["gather_all", "gather", "gather_pack", "raw_ipc", "ipc", "ipc_whole", "ipc_packed"]
     else:
         ops = ["raw_nccl", "gather_all", "gather", "gather_pack", "nccl"] + (
             ["pull_pack", "pull_pack_direct", "nccl_peer", "nccl_peer_direct", "nccl_peer_ramp", "nccl_peer_direct_ramp",
              "nccl_peer_arm", "nccl_peer_direct_ramp_arm", "raw_ipc", "ipc"] if ipc else ["nccl_ramp", "nccl_arm"])
     one = [(op, layout) for op in ops for layout in LAYOUTS
-           if layout == "bucketed" or not ("_peer" in op or "_arm" in op or "_ramp" in op or op.startswith("pull_pack"))]
+           if layout == "bucketed" or not ("_peer" in op or "_arm" in op or "_ramp" in op or "_whole" in op
+                                           or op.startswith("pull_pack"))]
     return [one if r % 2 == 0 else one[::-1] for r in range(repeats + 1)]
 
 

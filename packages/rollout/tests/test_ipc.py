@@ -168,6 +168,22 @@ def test_in_place_pieces_are_checked_by_the_record():
                      tensors=[np.zeros(4, np.float32)], ipc_handles=[b"x"], ipc_pieces=[(0, 0, 16)])
 
 
+def test_an_update_may_leave_out_a_named_header():
+    from treadle.rollout.direct import _without_header
+
+    update = msgspec.structs.replace(in_place_update({"a": torch.zeros(4)}, 1), ipc_keep=True, ipc_event=True,
+                                     header_id="h1")
+    short = _without_header(update)  # what a direct client sends an engine that keeps h1
+    assert short.header_kept and short.ipc_keep and short.ipc_event and short.names == short.ipc_pieces == []
+    assert len(msgspec.msgpack.encode(short)) < len(msgspec.msgpack.encode(update))
+    with pytest.raises(ValueError, match=r"needs a header_id \(''\)"):
+        msgspec.structs.replace(short, header_id="")
+    with pytest.raises(ValueError, match=r"no header fields \(got \['names', 'dtypes', 'shapes'\]\)"):
+        msgspec.structs.replace(update, header_kept=True, ipc_handles=[], ipc_pieces=[])
+    with pytest.raises(ValueError, match="an inline or cuda_ipc transport"):
+        WeightUpdate(version=1, names=[], dtypes=[], shapes=[], transport="collective", header_id="h1", header_kept=True)
+
+
 def test_engines_refuse_cuda_ipc_they_cannot_open_and_stay_usable(subject):
     engine, before = subject.engine, subject.engine.weight_version
     prompt = np.arange(3, 20)

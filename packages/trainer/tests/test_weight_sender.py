@@ -267,6 +267,38 @@ def test_cuda_ipc_transport_needs_cuda(model_b):
         sender(causal_lm(model_b), object(), transport="cuda_ipc")
 
 
+
+def test_the_in_place_answer_and_its_header_name_are_kept_while_the_parameters_stay(model_b, monkeypatch):
+    """cuda_ipc in place, rank 0 (``_in_place``): the storages' handles and each tensor's place
+    are made once and kept, with one header name, while the parameters' memory stays; a parameter
+    moved makes new ones under a new name. The CUDA IPC share
+    itself cannot run here: a stand-in handle per storage (named so) replaces it, and the
+    sender's device is the CPU the model lies on."""
+    import dataclasses
+
+    from treadle.rollout.engine import ipc
+
+    made = []
+
+    def stand_in_handles(flat, spans):  # noqa: ANN001, ANN202
+        made.append(flat.data_ptr())
+        return [f"stand-in handle {len(made)}".encode()]
+
+    monkeypatch.setattr(ipc, "encode_buckets", stand_in_handles)
+    model = causal_lm(model_b)
+    s = sender(model, object())
+    s.config = dataclasses.replace(s.config, transport="cuda_ipc")  # past the CUDA check, on this CPU model
+    items = s._plan(model, None)
+    first = s._in_place(items)
+    assert first is not None and len(first.header_id) == 16 and len(first.shared[1]) == len(items)
+    shares, name = len(made), first.header_id
+    assert s._in_place(items) is first and len(made) == shares  # kept: nothing shared again
+    param = items[0].sources[0]
+    param.data = param.data.clone()  # moved: its storage is another one
+    second = s._in_place(items)
+    assert second.header_id not in ("", name) and len(made) == shares + 1  # only the new storage shared
+
+
 # ------------------------------------------------------------------ against a daemon, in this process
 
 

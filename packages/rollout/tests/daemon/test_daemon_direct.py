@@ -139,6 +139,60 @@ def test_a_canary_failure_on_a_direct_update_quarantines_until_a_good_one(direct
     assert stats["version"] == 8 and set(_states(stats).values()) == {("ready", 8)}
 
 
+def test_engines_that_keep_a_named_header_are_sent_updates_without_it(direct_daemon, aio, models, ref, tools):
+    """Runs after the tests above (version 8, model a). An update that names its header
+    (``header_id``) goes whole the first time; each engine answers that it keeps it, and the next
+    update naming it goes without it (``header_kept``; the route's clients are watched). An
+    engine the client wrongly believes to keep a header refuses (``HeaderUnknown``) before
+    touching anything and is sent the whole update at once. A short update whose tensors do not
+    fit the kept header is refused, and so is one sent through the front end (which relays and
+    keeps whole updates); the engines keep serving their version."""
+    from treadle.rollout.direct import _without_header
+
+    a, b = tools.checkpoint(models["a"]), tools.checkpoint(models["b"])
+
+    async def scenario(rc):
+        await rc.update_weights(_update(b, 9, header_id="h1"), direct=True)
+        route = rc._direct
+        kept = dict(route.headers)
+        sent = []  # (engine id, header left out) per update_weights call to a worker
+        for i, client in route.clients.items():
+            def watched(method, msg, *args, _i=i, _call=client.call, **kw):
+                sent.append((_i, msg.header_kept))
+                return _call(method, msg, *args, **kw)
+            client.call = watched
+        second = await rc.update_weights(_update(a, 10, header_id="h1"), direct=True)
+        greedy = (await rc.generate(PROMPT, None, min_version=10))[0]
+        sent_second, sent[:] = list(sent), []
+        route.headers["e1"] = "h2"  # wrongly: e1 keeps h1
+        third = await rc.update_weights(_update(b, 11, header_id="h2"), direct=True)
+        sent_third, headers = list(sent), dict(route.headers)
+        misfit = _without_header(_update({k: v[:1] for k, v in a.items()}, 12, header_id="h2"))
+        refused = []
+        for send in (lambda: route.clients["e0"].call("update_weights", misfit),
+                     lambda: rc.update_weights(_without_header(_update(a, 12, header_id="h2")))):  # relayed
+            try:
+                await send()
+            except BadRequest as e:
+                refused.append(str(e))
+        return kept, second, greedy, sent_second, third, sent_third, headers, refused, await rc.stats(), \
+            await rc.weight_digest()
+
+    kept, second, greedy, sent_second, third, sent_third, headers, refused, stats, digests = \
+        direct_daemon.call(aio, scenario, timeout=120)
+    assert kept == {"e0": "h1", "e1": "h1"}
+    assert sorted(sent_second) == [("e0", True), ("e1", True)] and sorted(second["updated"]) == ["e0", "e1"]
+    assert greedy.weight_version == 10
+    assert np.abs(tools.logprobs(ref["a"], PROMPT, greedy.response_token_ids, temperature=0.0)
+                  - greedy.logprobs).max() <= TOL
+    # e0 keeps h1, so it got h2 whole; e1 got it short, refused, and got it whole
+    assert sorted(sent_third) == [("e0", False), ("e1", False), ("e1", True)]
+    assert sorted(third["updated"]) == ["e0", "e1"] and headers == {"e0": "h2", "e1": "h2"}
+    assert len(refused) == 2 and "kept header 'h2'" in refused[0] and "relays and keeps whole updates" in refused[1]
+    assert stats["version"] == 11 and set(_states(stats).values()) == {("ready", 11)}
+    assert len(set(digests.values())) == 1
+
+
 def test_direct_falls_back_to_relaying_where_it_cannot_go(aio, tmp_path):
     """Against a stand-in front end (a named fake: an ``RpcServer`` with the daemon's update
     stream, standing in for an older daemon and for one whose workers this process cannot see),

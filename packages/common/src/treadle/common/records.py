@@ -304,6 +304,14 @@ class WeightUpdate(Record):
     with a CUDA IPC event recorded after them (its handle in the answer's ``events``); the sender
     makes its stream wait on those events before it writes to the storages again. Without it an
     engine answers once its copies have finished."""
+    header_id: str = ""
+    """The sender's name for this update's header (names, dtypes, shapes, bucket_sizes,
+    ipc_handles, ipc_pieces): an engine that accepted the header keeps it under this name and
+    says so in its answer (``header``), and a later update may then leave it out (``header_kept``)."""
+    header_kept: bool = False
+    """The header is left out (those six fields are empty): the engine uses the one it kept as
+    ``header_id``, and refuses the update (``HeaderUnknown``, before touching anything) when it
+    holds another. Saves encoding, decoding and checking it again (~2,400 objects for 338 tensors)."""
     canary_token_ids: Array | None = None
     """int32 [C]: fixed prompt the engine scores after loading (optional)."""
     canary_logprobs: Array | None = None
@@ -312,6 +320,13 @@ class WeightUpdate(Record):
     """Largest allowed absolute difference between canary logprobs."""
 
     def __post_init__(self) -> None:
+        if self.header_kept:
+            left = [f for f in HEADER_FIELDS if getattr(self, f)]
+            if not self.header_id or left or self.transport == "collective":
+                raise ValueError(f"WeightUpdate.header_kept needs a header_id ({self.header_id!r}), no header fields "
+                                 f"(got {left}) and an inline or cuda_ipc transport ({self.transport})")
+            check_native(self.group, "WeightUpdate.group")
+            return  # the rest is checked once the engine put its kept header back
         n = len(self.names)
         if len(self.dtypes) != n or len(self.shapes) != n:
             raise ValueError(
@@ -343,6 +358,10 @@ class WeightUpdate(Record):
         if self.bucket_sizes and sum(self.bucket_sizes) != n:
             raise ValueError(f"WeightUpdate.bucket_sizes sum to {sum(self.bucket_sizes)}, expected {n}")
         check_native(self.group, "WeightUpdate.group")
+
+
+HEADER_FIELDS = ("names", "dtypes", "shapes", "bucket_sizes", "ipc_handles", "ipc_pieces")
+"""The fields of a ``WeightUpdate`` that ``header_kept`` leaves out."""
 
 
 class Control(Record):

@@ -148,7 +148,8 @@ class RolloutClient:
         ``direct``: an inline or cuda_ipc update goes straight to the engines' workers when this
         client runs on the daemon's host, and the daemon is told afterwards (``direct``; the
         report then says ``"direct": True``); elsewhere it is relayed as usual. The daemon keeps
-        no weights from it to bring new engines up to date.
+        no weights from it to bring new engines up to date. An update that names its header
+        (``header_id``) goes direct without it to the engines that keep it (``DirectRoute``).
         """
         if (update.transport == "collective") != (send is not None):
             raise BadRequest("a collective update needs send= (the sender's broadcast); an inline one must not have it")

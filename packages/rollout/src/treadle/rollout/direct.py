@@ -10,7 +10,11 @@ H200 (docs/benchmarks.md). ``RolloutClient.update_weights(update, direct=True)``
    pool's membership epoch; it probes each worker once (``stats``) and keeps one client to it
    (``DirectRoute``);
 2. sends the update to every worker at once (``update``), and sorts their answers as the front
-   end sorts a relayed update's (``answers.Answers``): the same report, or the same error;
+   end sorts a relayed update's (``answers.Answers``): the same report, or the same error. An
+   update that names its header (``WeightUpdate.header_id``) goes without it to the engines that
+   answered that they keep it (``header``; 338 tensors' header is ~24 KB, ~2,400 objects to
+   decode); an engine that no longer does refuses before touching anything (``HeaderUnknown``)
+   and is sent the whole update at once;
 3. tells the front end what they answered (``weights_loaded``) without waiting for it; the
    client's next call to the daemon waits for that first. The front end books it as a relayed
    update (version, ready, quarantine) and answers ``stale`` when the pool's engines changed
@@ -35,10 +39,13 @@ import os
 import time
 from typing import Any
 
+import msgspec
+
 from treadle.common.errors import TreadleError
-from treadle.common.records import WeightUpdate
+from treadle.common.records import HEADER_FIELDS, WeightUpdate
 from treadle.common.rpc import RpcClient
 from treadle.rollout.answers import Answers
+from treadle.rollout.errors import HeaderUnknown, refine
 
 PROBE_TIMEOUT_S = 10.0  # a worker of a fresh route answers a ``stats`` within this, or the route is not used
 _LOOPBACK = ("127.", "localhost", "::1")
@@ -68,6 +75,7 @@ class DirectRoute:
     def __init__(self, epoch: int, clients: dict[str, RpcClient]) -> None:
         self.epoch = epoch
         self.clients = clients
+        self.headers: dict[str, str] = {}  # engine id -> the update header it said it keeps (``header_id``)
 
     @classmethod
     async def open(cls, args: dict[str, Any]) -> DirectRoute | None:
@@ -100,12 +108,32 @@ class DirectRoute:
         the front end would answer, what to book there (``weights_loaded``'s args), and the error
         to raise once that is on its way (None: return the report). ``begun``: when the client's
         call started (on its loop), the first of each engine's stamps."""
-        ids = list(self.clients)
+        short = _without_header(update) if update.header_id and update.header_id in self.headers.values() else None
         sent = time.time()  # the first of each engine's stamps (a relayed update's is "received")
-        replies = await asyncio.gather(*(self.clients[i].call(method, update, timeout=timeout) for i in ids),
-                                       return_exceptions=True)
+        replies = await self._call_all(method, timeout, {
+            i: short if short is not None and self.headers.get(i) == update.header_id else update for i in self.clients})
+        again = [i for i, r in replies.items() if isinstance(refine(r), HeaderUnknown)]  # it restarted meanwhile
+        if again:
+            replies.update(await self._call_all(method, timeout, dict.fromkeys(again, update)))
+        for i, r in replies.items():  # the engines that keep this header are sent the next update without it
+            header = None if isinstance(r, BaseException) else r.args.get("header")
+            if header:
+                self.headers[i] = header
+            else:
+                self.headers.pop(i, None)
         first = {"begun": begun, "sent": sent} if begun is not None else {"sent": sent}
-        answers = Answers.sort(update.version, dict(zip(ids, replies, strict=True)), first)
+        answers = Answers.sort(update.version, replies, first)
         booking = {"version": update.version, "epoch": self.epoch, "updated": answers.updated,
                    "quarantined": answers.quarantined, "failed": answers.failures()}
         return {**answers.report(), "direct": True}, booking, answers.error()
+
+    async def _call_all(self, method: str, timeout: float, updates: dict[str, WeightUpdate]) -> dict[str, Any]:
+        """Engine id -> its answer to ``updates[id]``, or the exception it raised."""
+        replies = await asyncio.gather(*(self.clients[i].call(method, u, timeout=timeout) for i, u in updates.items()),
+                                       return_exceptions=True)
+        return dict(zip(updates, replies, strict=True))
+
+
+def _without_header(update: WeightUpdate) -> WeightUpdate:
+    """``update`` as sent to an engine that keeps its header: the header left out."""
+    return msgspec.structs.replace(update, header_kept=True, **{f: [] for f in HEADER_FIELDS})

@@ -23,6 +23,13 @@ class WeightGroupStale(BadRequest):
     tag = "weight group is stale"
 
 
+class HeaderUnknown(BadRequest):
+    """A weight update left its header out (``WeightUpdate.header_kept``) and the engine holds
+    another one (or none: it restarted): nothing was touched. Send it again with the header."""
+
+    tag = "weight header not held"
+
+
 class EnginesQuarantined(InternalError):
     """The update loaded, but some engines failed its canary; they take no work until a later
     update passes on them (or they are restarted). The message names them and the differences."""
@@ -39,7 +46,7 @@ class NoEngine(TreadleError):
     tag = "no engine can serve"
 
 
-_TAGGED = (WeightGroupStale, EnginesQuarantined, NoEngine)
+_TAGGED = (WeightGroupStale, HeaderUnknown, EnginesQuarantined, NoEngine)
 
 
 def is_canary(exc: BaseException) -> bool:

@@ -137,6 +137,9 @@ class WeightCoordinator:
     # ------------------------------------------------------------------ updates
 
     def check(self, update: WeightUpdate, transport: str) -> None:
+        if update.header_kept:  # the engines keep headers for their direct senders; new engines catch up whole
+            raise BadRequest(f"weight update {update.version} leaves its header out (header_kept): the daemon relays "
+                             "and keeps whole updates only; leave headers out of direct updates to the engines")
         if update.transport != transport:
             raise BadRequest(f"expected a {transport} weight update, got transport {update.transport!r}"
                              + (" (cuda_ipc is for engines colocated with the sender)" if update.transport == "cuda_ipc" else ""))

@@ -111,7 +111,8 @@ class WorkerService:
     async def update_weights(self, msg: Any, ctx: Any, mode: str = "wait") -> Any:
         v = await self.engine.update_weights(_expect(msg, "WeightUpdate"), mode=mode)
         event = {"event": self.engine.last_event} if self.engine.last_event else {}
-        return _control("update_weights", version=v, load=dict(self.engine.last_load), **event)
+        header = {"header": self.engine.header_id} if self.engine.header_id else {}  # a later update may leave it out
+        return _control("update_weights", version=v, load=dict(self.engine.last_load), **event, **header)
 
     async def update_weights_abort(self, msg: Any, ctx: Any) -> Any:
         return await self.update_weights(msg, ctx, mode="abort")

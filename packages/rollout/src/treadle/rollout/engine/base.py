@@ -36,11 +36,12 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
+import msgspec
 import numpy as np
 
 from treadle.common.errors import BadRequest, Busy, EngineDead, ServiceClosed
 from treadle.common.log import get_logger
-from treadle.common.records import GenerateRequest, GenerateResult, WeightUpdate
+from treadle.common.records import HEADER_FIELDS, GenerateRequest, GenerateResult, WeightUpdate
 from treadle.rollout.engine.group import GroupSpec, NoSignal
 from treadle.rollout.engine.state import RATE_WINDOW_S, EngineStats, Rate, SleepState
 from treadle.rollout.engine.weights import (
@@ -51,6 +52,7 @@ from treadle.rollout.engine.weights import (
     bucket_ranges,
     canary_error,
 )
+from treadle.rollout.errors import HeaderUnknown, tagged
 
 log = get_logger(__name__)
 PauseMode = Literal["wait", "abort"]
@@ -97,6 +99,7 @@ class Engine(ABC):
         # the copies the engine answered before they finished; b"": it answered after them
         self.last_event = b""
         self._checked: tuple[Any, ...] = ()  # the last update header ``check_header`` passed
+        self._header: tuple[str, dict[str, Any]] | None = None  # the last accepted header that had a name, its fields
         self._sleep: SleepState | None = None
         self._group: GroupSpec | None = None
         self._armed: _Armed | None = None
@@ -195,12 +198,14 @@ class Engine(ABC):
         in-flight samples finish on the old weights first, or are aborted) and resumed after.
         """
         called = time.time()
+        update = self._with_header(update)
         if update.transport == "cuda_ipc":
             return await self._update_ipc(update, mode, called)
         ts = [as_tensor(t) for t in (update.tensors if tensors is None else tensors)]
         async with self._control:
             self.check_update(update)
             self.weight_spec.check_tensors(update.names, update.dtypes, update.shapes, ts)
+            self._keep_header(update)
             await self._swap(update, mode, lambda: self._load(update, ts), called)
             return self._version
 
@@ -212,8 +217,33 @@ class Engine(ABC):
             if not update.ipc_pieces and len(update.ipc_handles) != buckets:
                 raise BadRequest(f"cuda_ipc update: {len(update.ipc_handles)} handles for {buckets} buckets")
             await self._check_ipc(update)
+            self._keep_header(update)
             await self._swap(update, mode, lambda: self._load_ipc(update), called)
             return self._version
+
+    @property
+    def header_id(self) -> str:
+        """The name of the update header this engine keeps (``WeightUpdate.header_id``), or ""."""
+        return self._header[0] if self._header is not None else ""
+
+    def _with_header(self, update: WeightUpdate) -> WeightUpdate:
+        """``update`` with its header put back from the one kept (``header_kept``); raises
+        ``HeaderUnknown`` when the engine keeps another one, or none."""
+        if not update.header_kept:
+            return update
+        if self.header_id != update.header_id:
+            raise tagged(HeaderUnknown, f"engine {self.engine_id} keeps header {self.header_id or 'none'!r}, "
+                                        f"weight version {update.version} names {update.header_id!r}: send the header")
+        try:
+            return msgspec.structs.replace(update, header_kept=False, **self._header[1])
+        except ValueError as e:  # the tensors an inline update carries do not fit the kept header
+            raise BadRequest(f"weight version {update.version} with the kept header {update.header_id!r}: {e}") from None
+
+    def _keep_header(self, update: WeightUpdate) -> None:
+        """Keep ``update``'s header (checked) when its sender named it, to put back into a later
+        update that leaves it out."""
+        if update.header_id:
+            self._header = (update.header_id, {f: getattr(update, f) for f in HEADER_FIELDS})  # not the tensors
 
     async def join_weight_group(self, group: GroupSpec | dict[str, Any]) -> None:
         """Join the sender's broadcast group (blocks until every member joined)."""

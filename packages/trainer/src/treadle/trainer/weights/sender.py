@@ -62,6 +62,7 @@ import concurrent.futures
 import contextlib
 import math
 import operator
+import os
 import socket
 import time
 from dataclasses import dataclass, field
@@ -151,6 +152,8 @@ class SenderConfig:
     direct: bool = True  # cuda_ipc: send the update straight to the engines' workers (this host, as cuda_ipc
     # is) and tell the daemon afterwards, sparing its front end's relay: two hops, ~0.9 ms on an H200 host
     # (``treadle.rollout.direct``); relayed where the workers cannot be reached from here
+    header_reuse: bool = True  # cuda_ipc in place: name the update's header (``WeightUpdate.header_id``), so a
+    # direct update leaves it out for the engines that keep it (338 tensors: ~24 KB, ~2,400 objects decoded)
     arm: bool = False  # collective transport, synchronous RL: arm the engines for the next sync after each
     # rollout (``WeightSender.arm``): they pause while the trainer trains and receive the first bucket on rank
     # 0's signal over the group's store, without waiting for the update's request to reach them
@@ -216,6 +219,7 @@ class _Placed:
     whole: list[torch.Tensor]  # and the others
     ptrs: list[int] = field(default_factory=list)  # where that memory lay (sharded first)
     shared: tuple[list[bytes], list[tuple[int, int, int]]] | None = None  # handles and pieces, or None: pack
+    header_id: str = ""  # the name of the header they make (``WeightUpdate.header_id``), new with them
 
 
 _DATA_PTR, _DS_TENSOR = torch.Tensor.data_ptr, operator.attrgetter("ds_tensor")
@@ -440,10 +444,10 @@ class WeightSender:
         return answer, 1, gather_s, send_s
 
     def _sync_ipc(self, version: int, items: list[Item], canary: np.ndarray | None) -> tuple:
-        shared = self._in_place(items)
-        if shared is not None:
+        placed = self._in_place(items)
+        if placed is not None:
             self._stamp("placed")
-            return self._sync_in_place(version, items, canary, shared)
+            return self._sync_in_place(version, items, canary, placed)
         sizes = self._layout(items).sizes
         spans: list[tuple[int, int]] = []  # (offset, bytes) of each bucket in the buffer
         failed: list[Exception] = []  # a packing error: finish the walk (the other ranks' gathers), then fail
@@ -478,9 +482,9 @@ class WeightSender:
         raise_outcome(self._share(err), err, version)
         return answer, len(sizes), gather_s, send_s
 
-    def _in_place(self, items: list[Item]) -> tuple[list[bytes], list[tuple[int, int, int]]] | None:
+    def _in_place(self, items: list[Item]) -> _Placed | None:
         """cuda_ipc with ``ipc_in_place``, rank 0: the handles of the storages holding ``items``'
-        bytes and each item's place in them (``share_storages``), when every item is one parameter
+        bytes and each item's place in them (``share_storages``; ``_Placed.shared``), when every item is one parameter
         as it is (no LoRA merge, no 4-bit weight), in the sent dtype, contiguous on this GPU, and
         whole (not ZeRO-3 on several ranks, whose partitions are slices); else None: pack. Every
         rank gets the same answer where it matters: under ZeRO-3 this path needs one rank, and
@@ -502,8 +506,9 @@ class WeightSender:
         if placed is not self._placed or ptrs != placed.ptrs:
             own = [p.ds_tensor if self._zero3 and hasattr(p, "ds_id") else p for p in (it.sources[0] for it in items)]
             placed.ptrs, placed.shared = ptrs, self._share_in_place(items, own)
+            placed.header_id = os.urandom(8).hex()
             self._placed = placed
-        return placed.shared
+        return placed if placed.shared is not None else None
 
     def _share_in_place(self, items: list[Item], own: list[torch.Tensor]
                         ) -> tuple[list[bytes], list[tuple[int, int, int]]] | None:
@@ -518,10 +523,9 @@ class WeightSender:
         self._ipc_shared, handles, pieces = share_storages(sources, self._ipc_shared)
         return handles, pieces
 
-    def _sync_in_place(self, version: int, items: list[Item], canary: np.ndarray | None,
-                       shared: tuple[list[bytes], list[tuple[int, int, int]]]) -> tuple:
-        """The cuda_ipc sync with nothing packed: rank 0 sends the ``shared`` storages of its
-        parameters (shared once, while they stay where they are) and each tensor's place in them;
+    def _sync_in_place(self, version: int, items: list[Item], canary: np.ndarray | None, placed: _Placed) -> tuple:
+        """The cuda_ipc sync with nothing packed: rank 0 sends the storages of its parameters
+        (shared once, while they stay where they are: ``placed``) and each tensor's place in them;
         the engines copy from there and unmap before they answer, and the parameters are not
         touched until then (``sync`` returns first); or, kept mapped and answering early
         (``ipc_event``), this rank's stream waits for their copies (``_wait_events``)."""
@@ -530,8 +534,10 @@ class WeightSender:
         answer, err = None, None
         try:
             keep = self.config.ipc_keep
-            update = self._header(version, items, canary, handles=shared[0], pieces=shared[1], keep=keep,
-                                  event=keep and self.config.ipc_event)
+            handles, pieces = placed.shared
+            update = self._header(version, items, canary, handles=handles, pieces=pieces, keep=keep,
+                                  event=keep and self.config.ipc_event,
+                                  header_id=placed.header_id if self.config.header_reuse else "")
             self._stamp("headed")
             gather_s = time.perf_counter() - start
             answer = self._client.update_weights(update, mode=self.config.mode, direct=self.config.direct)
@@ -667,7 +673,7 @@ class WeightSender:
     def _header(self, version: int, items: list[Item], canary: np.ndarray | None, *, sizes: list[int] = (),
                 group: dict[str, Any] | None = None, tensors: list[torch.Tensor] = (),
                 handles: list[bytes] = (), pieces: list[tuple[int, int, int]] = (), keep: bool = False,
-                event: bool = False) -> WeightUpdate:
+                event: bool = False, header_id: str = "") -> WeightUpdate:
         extra: dict[str, Any] = {}
         if canary is not None:
             extra = {"canary_token_ids": np.asarray(self.config.canary_token_ids, dtype=np.int32),
@@ -677,7 +683,7 @@ class WeightSender:
                             transport=self.config.transport,
                             bucket_sizes=list(sizes), group=group or {}, tensors=list(tensors),
                             ipc_handles=list(handles), ipc_pieces=list(pieces), ipc_keep=keep, ipc_event=event,
-                            **extra)
+                            header_id=header_id, **extra)
 
     def _layout(self, items: list[Item]) -> _Layout:
         """``items``' buckets and header lists, made once per plan (the kept plan is the same
