@@ -180,6 +180,8 @@ def test_an_update_may_leave_out_a_named_header():
         msgspec.structs.replace(short, header_id="")
     with pytest.raises(ValueError, match=r"no header fields \(got \['names', 'dtypes', 'shapes'\]\)"):
         msgspec.structs.replace(update, header_kept=True, ipc_handles=[], ipc_pieces=[])
+    with pytest.raises(ValueError, match="header_id has 65 characters; at most 64"):
+        msgspec.structs.replace(update, header_id="h" * 65)
     with pytest.raises(ValueError, match="an inline or cuda_ipc transport"):
         WeightUpdate(version=1, names=[], dtypes=[], shapes=[], transport="collective", header_id="h1", header_kept=True)
 

@@ -320,6 +320,9 @@ class WeightUpdate(Record):
     """Largest allowed absolute difference between canary logprobs."""
 
     def __post_init__(self) -> None:
+        if len(self.header_id) > 64:
+            raise ValueError(f"WeightUpdate.header_id has {len(self.header_id)} characters; at most 64: "
+                             f"{self.header_id[:80]!r}...")
         if self.header_kept:
             left = [f for f in HEADER_FIELDS if getattr(self, f)]
             if not self.header_id or left or self.transport == "collective":
