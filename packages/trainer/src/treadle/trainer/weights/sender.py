@@ -484,13 +484,13 @@ class WeightSender:
 
     def _in_place(self, items: list[Item]) -> _Placed | None:
         """cuda_ipc with ``ipc_in_place``, rank 0: the handles of the storages holding ``items``'
-        bytes and each item's place in them (``share_storages``; ``_Placed.shared``), when every item is one parameter
-        as it is (no LoRA merge, no 4-bit weight), in the sent dtype, contiguous on this GPU, and
-        whole (not ZeRO-3 on several ranks, whose partitions are slices); else None: pack. Every
-        rank gets the same answer where it matters: under ZeRO-3 this path needs one rank, and
-        otherwise the other ranks do nothing. The answer is kept while the plan and the memory
-        its tensors lie in stay the same (the checks and views cost ~10 us a tensor: 3 ms a
-        sync on a 1.5B model)."""
+        bytes and each item's place in them (``share_storages``; ``_Placed.shared``, with the
+        header's name), when every item is one parameter as it is (no LoRA merge, no 4-bit
+        weight), in the sent dtype, contiguous on this GPU, and whole (not ZeRO-3 on several
+        ranks, whose partitions are slices); else None: pack. Every rank gets the same answer
+        where it matters: under ZeRO-3 this path needs one rank, and otherwise the other ranks do
+        nothing. The answer is kept while the plan and the memory its tensors lie in stay the
+        same (the checks and views cost ~10 us a tensor: 3 ms a sync on a 1.5B model)."""
         if not (self.config.ipc_in_place and self._is_main):
             return None
         if self._zero3 and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
