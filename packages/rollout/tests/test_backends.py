@@ -59,6 +59,51 @@ def test_vllm_sleep_on_cpu_says_it_only_pauses(vllm_engine):
     assert not vllm_engine.engine.stats().broken
 
 
+def test_vllm_features_missing_from_older_vllm_are_filled_in(monkeypatch):
+    """vLLM 0.26 (the GPU machine's) has no ``AsyncLLM.update_weight_version`` and no
+    ``VLLMClientError``: the engine's class gets a no-op for the first, ValueError stands in
+    for the second (0.26 re-raises request validation errors as ValueError)."""
+    pytest.importorskip("vllm")
+    import vllm.exceptions
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from treadle.rollout.engine import vllm_engine as ve
+
+    assert ve._async_llm_class() is AsyncLLM and ve._client_errors() == (vllm.exceptions.VLLMClientError,)
+    monkeypatch.delattr(AsyncLLM, "update_weight_version")
+    monkeypatch.delattr(vllm.exceptions, "VLLMClientError")
+    ve._async_llm_class.cache_clear()
+    try:
+        cls = ve._async_llm_class()
+        assert cls is not AsyncLLM and issubclass(cls, AsyncLLM) and hasattr(cls, "update_weight_version")
+        assert ve._client_errors() == (ValueError,)
+    finally:
+        ve._async_llm_class.cache_clear()
+
+
+def test_vllm_digest_without_compute_weight_checksums_hashes_the_same_bytes(vllm_engine):
+    """The digest path for a vLLM without ``compute_weight_checksums`` (0.26, the GPU machine's):
+    per-tensor sha256 of what ``save_sharded_state`` wrote equals vLLM's own checksum of each
+    parameter. The saved state has tied tensors once (under either name) and buffers too, and
+    leaves empty tensors out: on CPU the linear layers' parameters are empty (their weights are
+    prepacked elsewhere), so neither digest sees them there."""
+    import hashlib
+
+    from treadle.rollout.engine.vllm_engine import _has
+
+    engine = vllm_engine.engine
+    if not _has("compute_weight_checksums"):
+        pytest.skip("this vLLM has only the saved-state digest")
+    ours = vllm_engine.aio(engine._saved_state_digests())
+    theirs = vllm_engine.aio(engine._llm.compute_weight_checksums())
+    assert len(ours) == len(theirs) == 1
+    saved = {k.partition(":")[2]: v for k, v in ours[0].items()}
+    vllms = {k.rpartition(":")[2]: v for k, v in theirs[0].items()}
+    common = saved.keys() & vllms.keys()
+    assert common and all(saved[n] == vllms[n] for n in common)
+    assert {v for v in vllms.values() if v != hashlib.sha256(b"").hexdigest()} <= set(saved.values())
+
+
 @pytest.mark.slow
 def test_vllm_multiprocess_mode_generates_and_updates(models, ref, tools):
     """Workers in their own process (the daemon's mode on GPU): same results, same weight path."""

