@@ -49,7 +49,19 @@ $(SMALL)/config.json: tools/make_tiny_model.py tools/tiny_model.py tools/data/co
 # dist-init files in the temporary directory, hundreds per run, which piled up in /tmp.
 IN_TMP = tmp=$$(mktemp -d /tmp/treadle-test.XXXXXX) && trap 'rm -rf "$$tmp"' EXIT && TMPDIR=$$tmp
 
-test: $(STAMP)
+# OpenRLHF 0.11.2, the reference of the parity suite (packages/trainer/tests/test_openrlhf_parity.py):
+# test-only, its wheel downloaded without dependencies and unpacked, never installed (the package
+# imports vLLM, Ray and flash-attn at module level, and ships a top-level `tests` package). Without
+# PyPI the download fails, the suite skips and says why, and the next `make test` tries again.
+OPENRLHF_REF := .cache/reference/openrlhf-0.11.2
+
+$(OPENRLHF_REF)/.unpacked: | $(STAMP)
+	rm -rf $(OPENRLHF_REF) && mkdir -p $(OPENRLHF_REF)
+	$(PIP) download -q --no-deps --retries 1 --timeout 30 -d $(OPENRLHF_REF) openrlhf==0.11.2 \
+	  && $(PY) -c "import glob, zipfile; zipfile.ZipFile(glob.glob('$(OPENRLHF_REF)/openrlhf-*.whl')[0]).extractall('$(OPENRLHF_REF)')" \
+	  && touch $@ || echo "openrlhf==0.11.2 could not be downloaded: the OpenRLHF parity suite will skip"
+
+test: $(STAMP) $(OPENRLHF_REF)/.unpacked
 	$(PY) tools/check_imports.py
 	$(IN_TMP) OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "not slow and not gpu and not bench and not chaos" -p no:randomly
 
@@ -60,7 +72,8 @@ test-slow: $(STAMP)
 chaos: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m chaos integration/tests/chaos -p no:randomly
 
-# On a machine with 2 CUDA GPUs; WHEELS= folders of wheels for what that machine lacks.
+# On a machine with 2 CUDA GPUs; WHEELS= folders of wheels for what that machine lacks. With vLLM's
+# pieces carried (.gpu/p1, tools/gpu_vllm/prepare.sh) the vLLM backend's GPU tests run too.
 test-gpu:
 	bash tools/gpu_tests.sh $(WHEELS)
 

@@ -13,6 +13,9 @@
 # NCCL and CUDA IPC (bit-identical; NCCL gathers and peer reads; two senders taking turns on one
 # daemon), ring attention equality over NCCL, the engine's NCCL receive, and PPO with an hf engine
 # on the trainer's GPU (weights over CUDA IPC and over gloo; one GPU is enough for these).
+# With vLLM carried (tools/gpu_vllm: .gpu/p1, or already unpacked in /tmp/site) also the vLLM
+# backend on CUDA: the rollout conformance suite, bf16 logprobs against the HF model, sleep levels,
+# a daemon of vllm engines. TREADLE_GPU_SUITE=vllm runs only those (one GPU is enough).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # `tools/gpu_wheels.sh DIR --fa4` adds FlashAttention-4: pass DIR/fa4 and DIR_big too (a zip is
@@ -40,6 +43,20 @@ export PYTHONPATH=$SRC:$SITE:$SITE/nvidia_cutlass_dsl/dsl_packages${PYTHONPATH:+
 # NVLink multicast stays off on shared hosts; tool caches stay out of the home folder.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 HF_HUB_OFFLINE=1 \
   TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-/tmp/treadle_torch_ext} TOKENIZERS_PARALLELISM=false OMP_NUM_THREADS=4
+VLLM_TESTS=()
+if [ -d "${TREADLE_GPU_VLLM:-.gpu}/p1" ] || [ -f /tmp/site/.vllm-ok ]; then
+  bash tools/gpu_vllm/install_on_device.sh "${TREADLE_GPU_VLLM:-.gpu}"
+  # shellcheck source=tools/gpu_vllm/env.sh
+  source tools/gpu_vllm/env.sh
+  # vLLM's Triton attention multiplies fp32 in TF32 unless told otherwise: the fp32 tests need IEEE
+  export TRITON_F32_DEFAULT=ieee
+  VLLM_TESTS=(packages/rollout/tests/test_gpu_vllm.py packages/rollout/tests/daemon/test_gpu_daemon_vllm.py)
+fi
+if [ "${TREADLE_GPU_SUITE:-}" = vllm ]; then
+  [ ${#VLLM_TESTS[@]} -gt 0 ] || { echo "TREADLE_GPU_SUITE=vllm: no vLLM here (carry .gpu/p1, tools/gpu_vllm)" >&2; exit 2; }
+  # shellcheck disable=SC2086 # extra pytest words
+  exec python3 -m pytest -q -m gpu -p no:cacheprovider -p no:randomly "${VLLM_TESTS[@]}" ${TREADLE_GPU_PYTEST_ARGS:-}
+fi
 # TREADLE_GPU_BENCH=sync|ipc1|trainer runs issue 10's benchmarks instead of the tests (each fits one
 # device call), writing into TREADLE_GPU_OUT (default: the device's $OUT, else bench_out/):
 #   sync: the weight-sync bench on 2 GPUs, after 50 ms idle (as after training) and back to back;
@@ -80,4 +97,4 @@ case "${TREADLE_GPU_BENCH:-}" in
 esac
 exec python3 -m pytest -q -m gpu -p no:cacheprovider -p no:randomly \
   packages/trainer/tests/test_gpu.py packages/trainer/tests/test_gpu_weights.py packages/trainer/tests/test_ring.py \
-  packages/trainer/tests/test_ppo.py packages/rollout/tests/test_gpu.py ${TREADLE_GPU_PYTEST_ARGS:-}
+  packages/trainer/tests/test_ppo.py packages/rollout/tests/test_gpu.py "${VLLM_TESTS[@]}" ${TREADLE_GPU_PYTEST_ARGS:-}
