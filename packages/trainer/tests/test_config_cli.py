@@ -258,8 +258,15 @@ def test_seed_ppo_command():
      "--critic.model_name_or_path", "OpenRLHF/Llama-3-8b-rm-700k"],
     ["--rollout.n_samples_per_prompt", "4"],
     ["--rollout.vllm_generate_batch_size", "2048", "--train.async_enable", "--vllm.no_enable_sleep"],
-    ["--algo.advantage.is_correction_enable", "--algo.advantage.is_correction_type", "icepop",
+    ["--algo.advantage.is_correction_level", "token", "--algo.advantage.is_correction_mode", "mask",
      "--algo.advantage.is_correction_threshold", "0.5", "5.0"],
+    ["--algo.advantage.is_correction_level", "seq", "--algo.advantage.is_correction_gating", "binary_kl",
+     "--algo.advantage.is_correction_threshold", "0.001", "--algo.advantage.estimator", "flash_reinforce",
+     "--rollout.n_samples_per_prompt", "1"],
+    ["--algo.kl.use_loss", "--algo.kl.unbiased_gradient", "--algo.kl.estimator", "k3"],
+    ["--actor.policy_loss_type", "gspo", "--actor.dual_clip", "3", "--algo.advantage.is_correction_level", "token"],
+    ["--actor.policy_loss_type", "gspo_token", "--actor.loss_agg_mode", "token-mean"],
+    ["--algo.advantage.discount_env_tokens", "--algo.advantage.gamma", "0.99"],
     ["--ckpt.best_metric_key", "eval_default_pass1"],
     ["--actor.policy_loss_type", "gspo"],
 ])
@@ -269,14 +276,19 @@ def test_seed_ppo_advanced_options(extra):
 
 
 def test_seed_ppo_advanced_option_values():
-    cfg = parse_ppo([*ppo_argv(), "--algo.advantage.is_correction_enable",
-                     "--algo.advantage.is_correction_type", "seq-mask-tis",
+    cfg = parse_ppo([*ppo_argv(), "--algo.advantage.is_correction_level", "seq",
                      "--algo.advantage.is_correction_threshold", "0.5", "5.0",
-                     "--ckpt.best_metric_key", "eval_default_pass1", "--actor.policy_loss_type", "gspo"])
+                     "--ckpt.best_metric_key", "eval_default_pass1", "--actor.policy_loss_type", "gspo_token"])
     adv = cfg.algo.advantage
-    assert adv.is_correction_enable and adv.is_correction_type == "seq-mask-tis"
-    assert adv.is_correction_threshold == (0.5, 5.0)
-    assert cfg.ckpt.best_metric_key == "eval_default_pass1" and cfg.actor.policy_loss_type == "gspo"
+    assert adv.is_correction_on and (adv.is_correction_level, adv.is_correction_mode) == ("seq", "mask")  # seq-mask-tis
+    assert adv.is_correction_threshold == (0.5, 5.0) and adv.is_band == (0.5, 5.0)
+    assert cfg.ckpt.best_metric_key == "eval_default_pass1" and cfg.actor.policy_loss_type == "gspo_token"
+    assert cfg.actor.aggregation == "token-mean"
+    one = parse_ppo([*ppo_argv(), "--algo.advantage.is_correction_level", "token",
+                     "--algo.advantage.is_correction_gating", "tv", "--algo.advantage.is_correction_threshold", "0.2"])
+    assert one.algo.advantage.is_band == (0.0, 0.2)  # one value: an upper bound
+    gspo = parse_ppo([*ppo_argv(), "--actor.policy_loss_type", "gspo"])
+    assert gspo.actor.loss_agg_mode is None and gspo.actor.aggregation == "seq-mean-token-mean"  # GSPO's own
     over = parse_ppo([*ppo_argv(), "--rollout.vllm_generate_batch_size", "2048", "--train.async_enable",
                       "--vllm.no_enable_sleep"])
     assert over.rollout.generate_batch_size == 2048 and over.train.async_enable
@@ -293,7 +305,8 @@ def test_every_advantage_estimator_parses(estimator):
 
 
 def test_estimators_are_exactly_openrlhfs():
-    assert set(ADVANTAGE_ESTIMATORS) == {"gae", "reinforce", "reinforce_baseline", "rloo", "group_norm", "dr_grpo"}
+    assert set(ADVANTAGE_ESTIMATORS) == {"gae", "reinforce", "reinforce_baseline", "rloo", "group_norm", "dr_grpo",
+                                         "flash_reinforce"}  # OpenRLHF 0.11.2's
 
 
 def _without(argv: list[str], *flags: str) -> list[str]:
@@ -318,6 +331,19 @@ def _without(argv: list[str], *flags: str) -> list[str]:
     (["--ds.zero_stage", "5"], "--ds.zero_stage"),
     (["--train.micro_batch_size", "3"], "--train.micro_batch_size"),
     (["--algo.advantage.is_correction_threshold", "5.0", "0.5"], "--algo.advantage.is_correction_threshold"),
+    (["--algo.advantage.is_correction_threshold", "0.1", "0.5", "5.0"], "--algo.advantage.is_correction_threshold"),
+    (["--algo.advantage.is_correction_level", "seq", "--algo.advantage.is_correction_mode", "clip"],
+     "--algo.advantage.is_correction_mode"),
+    (["--algo.advantage.is_correction_level", "token", "--algo.advantage.is_correction_gating", "binary_kl"],
+     "--algo.advantage.is_correction_threshold"),
+    (["--algo.kl.unbiased_gradient"], "--algo.kl.use_loss"),
+    (["--actor.policy_loss_type", "gspo", "--actor.loss_agg_mode", "token-mean"], "--actor.loss_agg_mode"),
+    (["--actor.policy_loss_type", "gspo", "--algo.advantage.is_correction_level", "seq"],
+     "--algo.advantage.is_correction_level"),
+    (["--actor.policy_loss_type", "gspo", "--algo.advantage.is_correction_level", "token",
+      "--algo.advantage.is_correction_mode", "clip"], "--algo.advantage.is_correction_mode"),
+    (["--algo.advantage.is_correction_enable"], "--algo.advantage.is_correction_level"),
+    (["--algo.advantage.is_correction_type", "tis"], "--algo.advantage.is_correction_mode"),
     (["--rollout.vllm_generate_batch_size", "2048"], "--train.async_enable"),
     (["--algo.advantage.estimator", "group_norm"], "--rollout.n_samples_per_prompt"),
     (["--algo.advantage.estimator", "rloo", "--rollout.n_samples_per_prompt", "4",
@@ -410,6 +436,42 @@ def test_renamed_tables_point_at_real_flags_and_never_shadow_one(command):
     for old, new in renamed.items():
         for target in new.split(" / "):
             assert target in flags, f"{command}: {old} -> {target} is not a flag"
+
+
+NEW_RL_FLAGS = {  # issue 28: each new flag and a phrase of its --help text
+    "--algo.advantage.is_correction_level": "seq (gate each sequence",
+    "--algo.advantage.is_correction_mode": "clamp the token ratio into the band",
+    "--algo.advantage.is_correction_gating": "binary_kl / tv divergence",
+    "--algo.advantage.is_correction_threshold": "or one HIGH",
+    "--algo.advantage.discount_env_tokens": "once per environment token",
+    "--algo.kl.unbiased_gradient": "by pi / pi_old (capped at 10)",
+    "--actor.loss_agg_mode": "None: the loss type's own",
+    "--actor.policy_loss_type": "gspo_token: GSPO-token",
+}
+
+
+def test_help_documents_the_new_rl_flags(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "80")  # one column of help boxes: a flag's text reads in order
+
+    def text() -> str:
+        return " ".join(re.sub("[\u2500-\u257f]", " ", capsys.readouterr().out).split())
+
+    with pytest.raises(SystemExit):
+        parse_ppo(["--help"])
+    out = text()
+    for flag, phrase in NEW_RL_FLAGS.items():
+        assert flag in out and phrase in out, flag
+    assert "flash_reinforce" in out
+    with pytest.raises(SystemExit):
+        parse_sft(["--help"])
+    out = text()
+    assert "--actor.loss_agg_mode" in out and "SFTLoss(token_level_loss=False)" in out
+
+
+def test_sft_loss_agg_mode():
+    assert parse_sft(sft_argv()).actor.loss_agg_mode == "token-mean"
+    cfg = parse_sft([*sft_argv(), "--actor.loss_agg_mode", "seq-mean-token-mean"])
+    assert cfg.actor.loss_agg_mode == "seq-mean-token-mean"
 
 
 def test_help_documents_the_aliases(capsys, monkeypatch):

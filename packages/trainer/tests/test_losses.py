@@ -18,7 +18,7 @@ from treadle.trainer.losses.preference import (
     kto_loss,
 )
 from treadle.trainer.losses.rm import RM_LOSSES, logexp_loss, pair_accuracy, sigmoid_loss
-from treadle.trainer.losses.sft import nll_loss
+from treadle.trainer.losses.sft import nll_loss, nll_loss_seq_mean
 from treadle.trainer.ops.logprobs import (
     chunked_entropy,
     picked_logprobs,
@@ -129,6 +129,23 @@ def test_nll_is_token_mean_of_the_whole_step_however_split():
     assert naive.item() == pytest.approx(3.75)
 
 
+def test_nll_seq_mean_token_mean_by_hand_padded_and_packed():
+    lp = T([[-1.0, -2.0, -3.0], [-4.0, -5.0, -6.0]])
+    mask = T([[False, True, True], [False, True, False]])
+    seq = T([[0, 0, 0], [1, 1, -1]])  # padded: one sequence a row, the last slot of row 1 padding
+    # sequence 0: (2 + 3) / 2 = 2.5; sequence 1: 5 / 1 = 5; mean over 2 sequences = 3.75 (token mean: 10 / 3)
+    assert nll_loss_seq_mean(lp, mask, seq, 2, 2).item() == pytest.approx(3.75)
+    # split into micro-batches with the step's sequence count: the same sum
+    parts = nll_loss_seq_mean(lp[:1], mask[:1], seq[:1], 1, 2) + nll_loss_seq_mean(lp[1:], mask[1:], seq[1:] - 1, 1, 2)
+    assert parts.item() == pytest.approx(3.75)
+    # packed: both sequences in one row, [-1, -2, -3 | -4, -5], same targets
+    packed = nll_loss_seq_mean(T([[-1.0, -2.0, -3.0, -4.0, -5.0]]), T([[False, True, True, False, True]]),
+                               T([[0, 0, 0, 1, 1]]), 2, 2)
+    assert packed.item() == pytest.approx(3.75)
+    # a sequence without targets adds 0 (and the step counts only sequences with targets)
+    assert nll_loss_seq_mean(lp, T([[False, True, True], [False, False, False]]), seq, 2, 1).item() == pytest.approx(2.5)
+
+
 def test_nll_gradient_is_independent_of_the_split():
     torch.manual_seed(0)
     logits = torch.randn(4, 6, 5, requires_grad=True)
@@ -223,3 +240,28 @@ def test_compiled_chunks_fall_back_to_eager_when_compiling_fails(monkeypatch):
         got = fused(x, ids, 0.5)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     assert tries == ["_pick"] and fused.compiled is None
+
+
+def test_sft_trainer_seq_mean_loss_and_units():
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from treadle.trainer.data.batching import pad_batch
+    from treadle.trainer.data.samples import Sample, TokenSeq
+    from treadle.trainer.models.actor import Actor
+    from treadle.trainer.trainers.sft import SFTTrainer
+
+    table = torch.randn(6, 6, generator=torch.Generator().manual_seed(0))
+    model = lambda input_ids, **_: SimpleNamespace(logits=table[input_ids])  # noqa: E731  a bigram "model"
+    samples = [Sample(seqs=(TokenSeq(ids=np.array(ids), target=np.array(t, dtype=bool)),), index=k)
+               for k, (ids, t) in enumerate([([1, 2, 3, 4], [0, 1, 1, 1]), ([5, 1], [0, 1])])]
+    batch = pad_batch(samples, 0)
+    lp = token_logprobs(table[batch.input_ids], batch.input_ids)
+    for seq_mean, units, want in ((False, [3, 1], -(lp[0, 1:].sum() + lp[1, 1]) / 4),
+                                  (True, [1.0, 1.0], -(lp[0, 1:].mean() + lp[1, 1]) / 2)):
+        trainer = object.__new__(SFTTrainer)  # the loss only: no engine, no data
+        trainer.actor, trainer.seq_mean = Actor(model), seq_mean
+        assert [trainer.unit(s) for s in samples] == units
+        loss, _ = trainer.micro_loss(batch, samples, sum(units))
+        assert loss.item() == pytest.approx(want.item(), abs=1e-6)

@@ -105,7 +105,7 @@ def test_first_step_exact_and_run_artifacts(tiny, task, daemon, helpers, tmp_pat
     # once, logged, and every sync goes the usual way
     proc = run_ppo(ppo_args(tiny, task, tmp_path, daemon, "--algo.kl.init_coef", "0.01", "--data.max_samples", "12",
                             "--eval.dataset", str(task["prompts"]), "--eval.n_samples_per_prompt", "2",
-                            "--algo.advantage.is_correction_enable", "--algo.advantage.is_correction_type", "icepop",
+                            "--algo.advantage.is_correction_level", "token", "--algo.advantage.is_correction_mode", "mask",
                             "--vllm.sync_arm"), helpers)
     assert proc.stderr.count("cannot arm") == 1, proc.stderr[-3000:]
     rows = metrics(tmp_path)
@@ -116,7 +116,8 @@ def test_first_step_exact_and_run_artifacts(tiny, task, daemon, helpers, tmp_pat
     assert rows[-1]["kl"] > 0.0  # after an update (the first has lr 0: warm-up) the policy moved
     assert rows[2]["version"] == rows[0]["version"] + 2  # one new weight version per step
     assert "eval/pass@1" in rows[-1] and 0.0 <= rows[-1]["eval/pass@1"] <= 1.0
-    for key in ("reward/mean", "entropy", "actor/clip_frac", "response_length/mean", "staleness/max",
+    for key in ("reward/mean", "entropy", "actor/clip_frac", "actor/ppo_clip_ratio", "actor/ppo_kl",
+                "response_length/mean", "staleness/max",
                 "time/generate", "time/experience", "time/train", "time/sync"):
         assert key in rows[0], key
     assert (tmp_path / "model" / "model.safetensors").is_file()
@@ -195,7 +196,7 @@ VARIANTS = {
                               "--train.agent_func_path", str(AGENT_FILE), "--rollout.max_new_tokens", "6"],
     "reinforce_two_epochs_gspo_is": ["--algo.advantage.estimator", "reinforce_baseline", "--train.max_epochs", "2",
                                      "--actor.policy_loss_type", "gspo", "--actor.loss_agg_mode", "seq-mean-token-mean",
-                                     "--algo.advantage.is_correction_enable", "--actor.entropy_coef", "0.001"],
+                                     "--algo.advantage.is_correction_level", "token", "--actor.entropy_coef", "0.001"],
     "dr_grpo_colocated_sleep": ["--algo.advantage.estimator", "dr_grpo", "--train.colocate_all", "--vllm.enable_sleep",
                                 "--ref.num_gpus_per_node", "1", "--algo.kl.init_coef", "0.01", "--algo.kl.use_loss",
                                 "--algo.kl.estimator", "k3", "--ds.packing_samples"],

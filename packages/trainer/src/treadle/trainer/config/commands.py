@@ -206,6 +206,7 @@ class PPOConfig:
         _require(self.data.prompt_dataset, "--data.prompt_dataset")
         _check_reward_source(self)
         _check_estimator(self)
+        _check_policy_loss(self)
         _check_lengths_and_batches(self)
         _check_colocation(self)
         _check_async(self)
@@ -271,6 +272,20 @@ def _check_estimator(cfg: PPOConfig) -> None:
         )
     if cfg.algo.dynamic_filtering_enable and n < 2:
         raise ConfigError(f"--algo.dynamic_filtering_enable needs --rollout.n_samples_per_prompt >= 2, got {n}")
+
+
+def _check_policy_loss(cfg: PPOConfig) -> None:
+    """Combinations of the actor's loss with the IS correction that would otherwise be ignored."""
+    adv = cfg.algo.advantage
+    not_token_ratio = (adv.is_correction_level, adv.is_correction_mode, adv.is_correction_gating) != ("token", "mask", "ratio")
+    # OpenRLHF's GSPO reads only the level: the sequence ratio is taken against the rollout's logprobs
+    if cfg.actor.policy_loss_type == "gspo" and adv.is_correction_on and not_token_ratio:
+        raise ConfigError(
+            "--actor.policy_loss_type gspo corrects for the rollout engine by taking its sequence ratio against the "
+            "rollout's logprobs: it takes --algo.advantage.is_correction_level token only (got level "
+            f"{adv.is_correction_level}, --algo.advantage.is_correction_mode {adv.is_correction_mode}, "
+            f"--algo.advantage.is_correction_gating {adv.is_correction_gating}); for token weights use "
+            "--actor.policy_loss_type gspo_token")
 
 
 def _check_lengths_and_batches(cfg: PPOConfig) -> None:

@@ -52,6 +52,9 @@ class SFTModelConfig(ModelConfig):
 
     pretrain_mode_enable: bool = False
     """Continued pre-training: loss on every token, prompts included."""
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-mean"] = "token-mean"
+    """token-mean: every target token of the step weighs the same; seq-mean-token-mean: each sequence's
+    token mean, averaged over the step's sequences (OpenRLHF's SFTLoss(token_level_loss=False))."""
 
 
 @configclass
@@ -155,8 +158,10 @@ class PolicyConfig(TrainedRoleConfig):
     """Use the reentrant flavour of torch checkpointing."""
     aux_loss_coef: float = 0.0
     """Weight of the MoE load-balancing loss (0: off)."""
-    policy_loss_type: Literal["ppo", "gspo"] = "ppo"
-    """Token-level PPO clipping, or GSPO's sequence-level ratio clipping."""
+    policy_loss_type: Literal["ppo", "gspo", "gspo_token"] = "ppo"
+    """ppo: token-level ratio clipping; gspo: GSPO's sequence ratio, back-propagated through its mean
+    (OpenRLHF's; seq-mean-token-mean); gspo_token: GSPO-token, the sequence ratio with each token's own
+    advantage in its gradient (any aggregation)."""
     eps_clip: float = 0.2
     """PPO clip range: ratios are clipped to [1 - eps, 1 + eps]."""
     eps_clip_low_high: tuple[float, float] | None = None
@@ -165,9 +170,10 @@ class PolicyConfig(TrainedRoleConfig):
     """Dual-clip constant c > 1 bounding the loss of negative-advantage tokens; None: off."""
     entropy_coef: float | None = None
     """Entropy bonus weight; 0 only logs the entropy; None: neither."""
-    loss_agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] | None = None
     """How per-token policy losses are averaged: over every token of the step, per sequence then over
-    sequences, or summed per sequence then averaged over sequences (Dr. GRPO's constant normaliser)."""
+    sequences, or summed per sequence then averaged over sequences (Dr. GRPO's constant normaliser);
+    None: the loss type's own (seq-mean-token-mean for gspo, else token-mean)."""
 
     def __post_init__(self) -> None:
         TrainedRoleConfig.__post_init__(self)
@@ -179,6 +185,16 @@ class PolicyConfig(TrainedRoleConfig):
             raise ConfigError(f"--dual_clip must be > 1, got {self.dual_clip}")
         if not self.aux_loss_coef >= 0:
             raise ConfigError(f"--aux_loss_coef must be >= 0, got {self.aux_loss_coef}")
+        if self.policy_loss_type == "gspo" and self.loss_agg_mode not in (None, "seq-mean-token-mean"):
+            raise ConfigError(f"--policy_loss_type gspo is a sequence-level loss (seq-mean-token-mean), got --loss_agg_mode "
+                              f"{self.loss_agg_mode}: drop --loss_agg_mode, or use --policy_loss_type gspo_token")
+
+    @property
+    def aggregation(self) -> str:
+        """The loss aggregation in effect (``loss_agg_mode``, else the loss type's own)."""
+        if self.loss_agg_mode is not None:
+            return self.loss_agg_mode
+        return "seq-mean-token-mean" if self.policy_loss_type == "gspo" else "token-mean"
 
     @property
     def clip_low_high(self) -> tuple[float, float]:

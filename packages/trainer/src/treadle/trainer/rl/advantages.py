@@ -3,7 +3,9 @@
 The trainer's pipeline for one rollout batch, each step a function here:
 
 1. ``GROUP_BASELINES[estimator](rewards, n)``: scalar episode rewards ``[B]`` -> shaped ``[B]``
-   (the group baseline of RLOO / GRPO / Dr. GRPO / REINFORCE++-baseline; identity otherwise).
+   (the group baseline of RLOO / GRPO / Dr. GRPO / REINFORCE++-baseline, FlashREINFORCE's batch
+   mean; identity otherwise). The trainer then clips the result (``--reward.clip_range``), as
+   OpenRLHF's ``compute_reward`` does: after the baseline.
 2. ``token_rewards``: put the shaped reward on each row's last action token, subtract the
    per-token KL penalty, add process rewards -> ``[B, L]``.
 3. ``compute_advantages(estimator, ...)``: returns and advantages ``[B, L]`` (GAE, or discounted
@@ -13,6 +15,13 @@ Layout: ``[B, L]`` right-padded action arrays, ``mask`` bool with a True prefix 
 ``n`` samples of one prompt are consecutive (``x.view(G, n)``). Every ``[B, L]`` output is 0 on
 padding. Whitening uses the statistics of the tensor it is given: the trainer calls it on the
 whole rollout batch, before splitting into micro-batches or ranks.
+
+Multi-turn: action arrays hold only the policy's tokens; an environment's tokens between two
+actions are not steps, so gamma and lambda apply once from one action token to the next
+(``gaps`` None). ``gaps[b, t]``, the environment tokens after action t before the next action,
+gives OpenRLHF's layout instead, where every response position is a step with reward 0 and value
+0 on environment tokens (``--algo.advantage.discount_env_tokens``). With gamma = lambda = 1 the
+two agree.
 
 Not here: the KL estimate itself (``kl``), reward shaping and filtering (``shaping``), losses.
 """
@@ -26,8 +35,10 @@ from torch import Tensor
 
 from treadle.trainer.rl._masked import as_float, check_shapes, last_index, zero_pad
 
-GROUP_NORM_EPS = 1e-6
-"""eps of GRPO's (r - mean) / (std + eps): keeps all-equal groups (std 0) at advantage 0."""
+GROUP_NORM_EPS = 1e-9
+"""eps of GRPO's (r - mean) / (std + eps): keeps all-equal groups (std 0) at advantage 0 (OpenRLHF's)."""
+WHITEN_VAR_FLOOR = 1e-8
+"""``whiten`` divides by sqrt(max(var, floor)) (OpenRLHF's advantage normalisation)."""
 
 
 def _groups(rewards: Tensor, group_size: int, min_size: int = 1) -> Tensor:
@@ -67,8 +78,18 @@ def rloo_baseline(rewards: Tensor, group_size: int) -> Tensor:
     return (g - (g.sum(dim=1, keepdim=True) - g) / (group_size - 1)).reshape(-1)
 
 
+def batch_mean_baseline(rewards: Tensor, group_size: int) -> Tensor:
+    """r_i - mean_j r_j over the whole batch ``[B] -> [B]``; ``group_size`` is ignored.
+
+    FlashREINFORCE's baseline (OpenRLHF's ``flash_reinforce``): one sample per prompt has no
+    group to compare with, so the rollout batch is the baseline; no whitening follows.
+    """
+    r = as_float(rewards)
+    return r - r.mean()
+
+
 def group_norm_baseline(rewards: Tensor, group_size: int) -> Tensor:
-    """(r_i - mean_group) / (std_group + eps), std UNBIASED (divides by n - 1), eps = 1e-6.
+    """(r_i - mean_group) / (std_group + eps), std UNBIASED (divides by n - 1), eps = 1e-9.
 
     GRPO (Shao et al. 2024, "DeepSeekMath", sec. 4.1.2); the unbiased std is torch's default
     and OpenRLHF's. ``[B] -> [B]``, n >= 2 (the unbiased std of one sample is undefined).
@@ -98,48 +119,65 @@ def token_rewards(final: Tensor, mask: Tensor, kl: Tensor | None, kl_coef: float
     return r.scatter_add(1, last[:, None], on_last[:, None].to(r.dtype))
 
 
-def discounted_returns(rewards: Tensor, mask: Tensor, gamma: float) -> Tensor:
-    """G_t = sum_{k >= t} gamma^(k - t) r_k over the row's action tokens; 0 on padding.
+def _gap_powers(base: float, gaps: Tensor | None, like: Tensor, mask: Tensor) -> Tensor:
+    """base^g ``[B, L]`` (g 0 on padding; all 1 when ``gaps`` is None): the discount across a gap."""
+    if gaps is None:
+        return torch.ones_like(like)
+    return torch.full_like(like, base).pow(zero_pad(as_float(gaps).to(like.dtype), mask))
 
-    Computed backwards, G_t = r_t + gamma G_{t+1} (REINFORCE, Williams 1992). ``[B, L]`` ->
+
+def discounted_returns(rewards: Tensor, mask: Tensor, gamma: float, gaps: Tensor | None = None) -> Tensor:
+    """G_t = r_t + gamma^(1 + g_t) G_{t+1} over the row's action tokens; 0 on padding.
+
+    g_t: environment tokens between action t and the next (``gaps``; None: 0, each action token a
+    step). With g = 0, G_t = sum_{k >= t} gamma^(k - t) r_k (REINFORCE, Williams 1992); with the
+    gaps it is OpenRLHF's ``get_cumulative_returns`` over every response position. ``[B, L]`` ->
     ``[B, L]``; padding rewards are treated as 0 so they never reach a real token.
     """
-    m = check_shapes(mask, rewards=rewards)
+    m = check_shapes(mask, rewards=rewards, gaps=gaps)
     r = zero_pad(as_float(rewards), m)
+    discount = gamma * _gap_powers(gamma, gaps, r, m)
     running, out = torch.zeros_like(r[:, 0]), []
     for t in reversed(range(r.shape[1])):
-        running = r[:, t] + gamma * running
+        running = r[:, t] + discount[:, t] * running
         out.append(running)
     return zero_pad(torch.stack(out[::-1], dim=1) if out else r, m)
 
 
-def gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lambd: float) -> tuple[Tensor, Tensor]:
+def gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lambd: float,
+        gaps: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Generalised advantage estimation (Schulman et al. 2016, eq. 16):
 
         delta_t = r_t + gamma V_{t+1} - V_t      (V after the last action token = 0)
-        A_t     = sum_k (gamma lambd)^k delta_{t+k}      returns_t = A_t + V_t
+        A_t     = delta_t + gamma lambd A_{t+1}       returns_t = A_t + V_t
 
-    rewards, values, mask ``[B, L]`` -> (advantages, returns) ``[B, L]``, 0 on padding. Gradients
-    flow through ``values`` if it has any; the trainer passes detached values.
+    With ``gaps`` g_t (environment tokens between action t and the next, each a step of reward 0
+    and value 0: OpenRLHF's ``get_advantages_and_returns`` over every response position), walking
+    the g_t zero steps gives delta_t = r_t + gamma (gamma lambd)^g_t V_{t+1} - V_t and
+    A_t = delta_t + (gamma lambd)^(g_t + 1) A_{t+1}. rewards, values, mask, gaps ``[B, L]`` ->
+    (advantages, returns) ``[B, L]``, 0 on padding. Gradients flow through ``values`` if it has
+    any; the trainer passes detached values.
     """
-    m = check_shapes(mask, rewards=rewards, values=values)
+    m = check_shapes(mask, rewards=rewards, values=values, gaps=gaps)
     r, v = zero_pad(as_float(rewards), m), zero_pad(as_float(values), m)
+    across = _gap_powers(gamma * lambd, gaps, r, m)
     running, next_v, out = torch.zeros_like(r[:, 0]), torch.zeros_like(r[:, 0]), []
     for t in reversed(range(r.shape[1])):
-        delta = r[:, t] + gamma * next_v - v[:, t]
-        running = delta + gamma * lambd * running
+        delta = r[:, t] + gamma * across[:, t] * next_v - v[:, t]
+        running = delta + gamma * lambd * across[:, t] * running
         out.append(running)
         next_v = v[:, t]
     adv = zero_pad(torch.stack(out[::-1], dim=1) if out else r, m)
     return adv, zero_pad(adv + v, m)
 
 
-def whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, std: bool = True, eps: float = 1e-8) -> Tensor:
-    """y = (x - mu) / (sigma + eps) over the masked entries of the whole tensor; 0 on padding.
+def whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, std: bool = True,
+           var_floor: float = WHITEN_VAR_FLOOR) -> Tensor:
+    """y = (x - mu) / sqrt(max(var, var_floor)) over the masked entries of the whole tensor; 0 on padding.
 
-    mu = masked mean; sigma = the BIASED masked std sqrt(sum m (x - mu)^2 / sum m) (a population
-    statistic of the batch, as OpenRLHF's advantage normalisation). ``std=False`` only centres;
-    ``shift_mean=False`` adds mu back (scale only, TRL's ``whiten``). ``[B, L] -> [B, L]``.
+    mu = masked mean; var = the BIASED masked variance sum m (x - mu)^2 / sum m (a population
+    statistic of the batch), floored: OpenRLHF's advantage normalisation. ``std=False`` only
+    centres; ``shift_mean=False`` adds mu back (scale only, TRL's ``whiten``). ``[B, L] -> [B, L]``.
     """
     m = check_shapes(mask, x=x)
     xs = zero_pad(as_float(x), m)
@@ -147,49 +185,55 @@ def whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, std: bool = True, e
     mu = xs.sum() / count
     y = zero_pad(xs - mu, m)
     if std:
-        y = y / ((y.square().sum() / count).sqrt() + eps)
+        y = y * (y.square().sum() / count).clamp(min=var_floor).rsqrt()
     if not shift_mean:
         y = y + mu
     return zero_pad(y, m)
 
 
-AdvantageFn = Callable[[Tensor, Tensor, Tensor | None, float, float, bool], tuple[Tensor, Tensor]]
+AdvantageFn = Callable[[Tensor, Tensor, Tensor | None, float, float, bool, Tensor | None], tuple[Tensor, Tensor]]
 
 
 def _gae_whitened(r: Tensor, m: Tensor, values: Tensor | None, gamma: float, lambd: float,
-                  std_norm: bool) -> tuple[Tensor, Tensor]:
+                  std_norm: bool, gaps: Tensor | None) -> tuple[Tensor, Tensor]:
     if values is None:
         raise ValueError("the gae estimator needs values from a critic")
-    adv, ret = gae(r, values, m, gamma, lambd)
+    adv, ret = gae(r, values, m, gamma, lambd, gaps)
     return whiten(adv, m, std=std_norm), ret
 
 
 def _returns_whitened(r: Tensor, m: Tensor, values: Tensor | None, gamma: float, lambd: float,
-                      std_norm: bool) -> tuple[Tensor, Tensor]:
-    ret = discounted_returns(r, m, gamma)
+                      std_norm: bool, gaps: Tensor | None) -> tuple[Tensor, Tensor]:
+    ret = discounted_returns(r, m, gamma, gaps)
     return whiten(ret, m, std=std_norm), ret
 
 
 def _returns_as_advantages(r: Tensor, m: Tensor, values: Tensor | None, gamma: float, lambd: float,
-                           std_norm: bool) -> tuple[Tensor, Tensor]:
+                           std_norm: bool, gaps: Tensor | None) -> tuple[Tensor, Tensor]:
     # The group baseline already centred (and for GRPO scaled) the reward; Dr. GRPO (Liu et al.
     # 2025) shows a further std division biases the update, so no global whitening here.
-    ret = discounted_returns(r, m, gamma)
+    ret = discounted_returns(r, m, gamma, gaps)
     return ret, ret
 
 
 def compute_advantages(estimator: str, *, token_rewards: Tensor, mask: Tensor, values: Tensor | None = None,
-                       gamma: float = 1.0, lambd: float = 1.0, std_norm: bool = True) -> tuple[Tensor, Tensor]:
+                       gamma: float = 1.0, lambd: float = 1.0, std_norm: bool = True,
+                       gaps: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """(advantages, returns) ``[B, L]`` for ``estimator`` from per-token rewards ``[B, L]``:
 
     - ``gae``: ``gae`` then ``whiten(advantages, std=std_norm)``; needs ``values`` ``[B, L]``.
     - ``reinforce``, ``reinforce_baseline``: returns = ``discounted_returns``,
       advantages = ``whiten(returns, std=std_norm)`` (REINFORCE++'s global normalisation).
-    - ``rloo``, ``group_norm``, ``dr_grpo``: advantages = returns = ``discounted_returns``.
+    - ``rloo``, ``group_norm``, ``dr_grpo``, ``flash_reinforce``: advantages = returns =
+      ``discounted_returns``.
+
+    gamma is honoured by every estimator (OpenRLHF forces 1 for all but gae and reinforce: pass
+    1 for its behaviour). ``gaps`` ``[B, L]``: environment tokens after each action token
+    (module docstring); None: none counted.
     """
     if estimator not in ADVANTAGES:
         raise ValueError(f"unknown advantage estimator {estimator!r}; choose from {sorted(ADVANTAGES)}")
-    return ADVANTAGES[estimator](token_rewards, mask, values, gamma, lambd, std_norm)
+    return ADVANTAGES[estimator](token_rewards, mask, values, gamma, lambd, std_norm, gaps)
 
 
 GROUP_BASELINES: dict[str, Callable[[Tensor, int], Tensor]] = {
@@ -199,6 +243,7 @@ GROUP_BASELINES: dict[str, Callable[[Tensor, int], Tensor]] = {
     "rloo": rloo_baseline,
     "group_norm": group_norm_baseline,
     "dr_grpo": mean_baseline,
+    "flash_reinforce": batch_mean_baseline,
 }
 """``--algo.advantage.estimator`` -> episode-reward baseline ``(rewards [B], group_size) -> [B]``."""
 
@@ -209,6 +254,7 @@ ADVANTAGES: dict[str, AdvantageFn] = {
     "rloo": _returns_as_advantages,
     "group_norm": _returns_as_advantages,
     "dr_grpo": _returns_as_advantages,
+    "flash_reinforce": _returns_as_advantages,
 }
-"""``--algo.advantage.estimator`` -> ``(token_rewards, mask, values, gamma, lambd, std_norm)`` ->
+"""``--algo.advantage.estimator`` -> ``(token_rewards, mask, values, gamma, lambd, std_norm, gaps)`` ->
 (advantages, returns); called through ``compute_advantages``."""

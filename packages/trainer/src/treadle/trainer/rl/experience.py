@@ -128,6 +128,15 @@ def stack(exps: Sequence[Experience], name: str) -> tuple[Tensor, Tensor]:
     return torch.from_numpy(values), torch.from_numpy(mask)
 
 
+def env_gaps(exps: Sequence[Experience]) -> Tensor:
+    """[B, L] float64: environment tokens between each action token and the next action token
+    (pos[j + 1] - pos[j] - 1; 0 after a row's last action and on padding), for
+    ``rl.advantages``' OpenRLHF layout of multi-turn trajectories."""
+    rows = [np.append(np.diff(e.pos) - 1, 0)[: e.num_actions] for e in exps]
+    width = max(1, max(e.num_actions for e in exps))
+    return torch.from_numpy(_pad(rows, width, np.dtype(np.float64)))
+
+
 def unstack(exps: Sequence[Experience], name: str, values: Tensor) -> None:
     """Store row ``b`` of ``values`` [B, L] as action array ``name`` of ``exps[b]``."""
     v = values.detach().float().cpu().numpy()

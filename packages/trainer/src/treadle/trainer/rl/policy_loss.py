@@ -23,15 +23,22 @@ from torch import Tensor
 
 from treadle.trainer.rl._masked import as_float, check_shapes, row_mean, zero_pad
 
+LOG_RATIO_BOUND = 20.0
+"""PPO's per-token log-ratio is clamped to [-20, 20] before exp (OpenRLHF's bound): one token
+with log-ratio 25 would otherwise put e^25 into the loss."""
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PolicyTerms:
-    """A policy loss and what the trainer logs about it (clip fraction, ratio statistics)."""
+    """A policy loss and what the trainer logs about it (clip fractions, ratio statistics)."""
 
     loss: Tensor
     """``[B, L]`` per-token loss, 0 on padding; reduce with an ``Aggregation``."""
     clipped: Tensor
-    """``[B, L]`` bool: action tokens where a clip was active (their gradient is 0)."""
+    """``[B, L]`` bool: action tokens where a clip was active, the dual clip included (their gradient is 0)."""
+    ppo_clipped: Tensor
+    """``[B, L]`` bool: action tokens where surr2 < surr1, before the dual clip (OpenRLHF's ``ppo_clip_ratio``
+    is the plain token mean of this)."""
     ratio: Tensor
     """``[B, L]`` the importance ratio pi / pi_old used (GSPO: the sequence's, per token); 1 on padding."""
 
@@ -44,7 +51,8 @@ def _surrogate(ratio: Tensor, adv: Tensor, mask: Tensor, clip_low: float, clip_h
     surr1 = ratio * adv
     surr2 = ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * adv
     loss = -torch.min(surr1, surr2)
-    clipped = surr2 < surr1
+    ppo_clipped = surr2 < surr1
+    clipped = ppo_clipped
     if dual_clip is not None:
         bound = -dual_clip * adv
         dual = (adv < 0) & (bound < loss)
@@ -52,38 +60,60 @@ def _surrogate(ratio: Tensor, adv: Tensor, mask: Tensor, clip_low: float, clip_h
     if weights is not None:
         loss = loss * zero_pad(as_float(weights), mask)
     one = torch.ones((), dtype=ratio.dtype, device=ratio.device)
-    return PolicyTerms(loss=zero_pad(loss, mask), clipped=clipped & mask, ratio=torch.where(mask, ratio, one))
+    return PolicyTerms(loss=zero_pad(loss, mask), clipped=clipped & mask, ppo_clipped=ppo_clipped & mask,
+                       ratio=torch.where(mask, ratio.detach(), one))
 
 
 def ppo_clip(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *, clip_low: float,
              clip_high: float, dual_clip: float | None = None, weights: Tensor | None = None) -> PolicyTerms:
     """PPO's clipped surrogate per token (Schulman et al. 2017, eq. 7)::
 
-        rho_t = exp(logp_t - old_logp_t)
+        rho_t = exp(clamp(logp_t - old_logp_t, -20, 20))
         l_t   = -min(rho_t A_t, clip(rho_t, 1 - clip_low, 1 + clip_high) A_t)
         l_t   = min(l_t, -c A_t)   if A_t < 0 and dual_clip c is set (Ye et al. 2020, dual clip)
         l_t   = w_t l_t            with importance weights w (``correction.is_correction``)
 
-    clip_low != clip_high is DAPO's clip-higher (Yu et al. 2025). logp, old_logp, advantages,
+    clip_low != clip_high is DAPO's clip-higher (Yu et al. 2025). The log-ratio bound is
+    OpenRLHF's (``LOG_RATIO_BOUND``); outside it the gradient is 0. logp, old_logp, advantages,
     weights, mask ``[B, L]`` -> ``PolicyTerms`` of ``[B, L]``; no reduction.
     """
     m = check_shapes(mask, logp=logp, old_logp=old_logp, advantages=advantages, weights=weights)
-    ratio = zero_pad(as_float(logp) - as_float(old_logp), m).exp()
-    return _surrogate(ratio, zero_pad(as_float(advantages), m), m, clip_low, clip_high, dual_clip, weights)
+    log_ratio = zero_pad(as_float(logp) - as_float(old_logp), m).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+    return _surrogate(log_ratio.exp(), zero_pad(as_float(advantages), m), m, clip_low, clip_high, dual_clip, weights)
 
 
 def gspo(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *, clip_low: float,
          clip_high: float, dual_clip: float | None = None, weights: Tensor | None = None) -> PolicyTerms:
-    """GSPO-token (Zheng et al. 2025, "Group Sequence Policy Optimization", eq. 13-14)::
+    """GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization", eq. 5-7), as OpenRLHF's::
+
+        s_i    = exp(mean_{t in mask_i} (logp_t - old_logp_t))       sequence ratio, differentiable
+        l_i,t  = -min(s_i A_t, clip(s_i, 1 - clip_low, 1 + clip_high) A_t)   (dual clip as ``ppo_clip``)
+
+    Every token of sequence i back-propagates through the mean: d s_i / d logp_t = s_i / |mask_i|.
+    Reduce with ``seq-mean-token-mean`` (the config makes it the default and refuses another):
+    with A_t = A_i that is GSPO's -mean_i min(s_i A_i, clip(s_i) A_i). For the IS correction
+    against the rollout engine, pass the rollout's logprobs as ``old_logp`` (OpenRLHF's GSPO with
+    ``--algo.advantage.is_correction_level token``). The paper's clip widths are ~1e-3 (ratios are
+    length-normalised). Shapes as ``ppo_clip``.
+    """
+    m = check_shapes(mask, logp=logp, old_logp=old_logp, advantages=advantages, weights=weights)
+    seq = row_mean(zero_pad(as_float(logp) - as_float(old_logp), m), m).exp()
+    ratio = zero_pad(seq[:, None].expand(m.shape), m)
+    return _surrogate(ratio, zero_pad(as_float(advantages), m), m, clip_low, clip_high, dual_clip, weights)
+
+
+def gspo_token(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *, clip_low: float,
+               clip_high: float, dual_clip: float | None = None, weights: Tensor | None = None) -> PolicyTerms:
+    """GSPO-token (Zheng et al. 2025, eq. 13-14)::
 
         s_i    = exp(mean_{t in mask_i} (logp_t - old_logp_t))         sequence ratio
         s_i,t  = sg[s_i] * exp(logp_t - sg[logp_t])                   value s_i, d/dlogp_t = s_i
         l_i,t  = -min(s_i,t A_t, clip(s_i,t, 1 - clip_low, 1 + clip_high) A_t)
 
-    With A_t = A_i on all tokens and the ``seq-mean-token-mean`` aggregation this is exactly
-    GSPO's sequence objective (same value and gradient); per-token A_t is GSPO-token. Note the
-    paper's clip widths are ~1e-3 (ratios are length-normalised). ``dual_clip`` and ``weights``
-    act as in ``ppo_clip``. Shapes as ``ppo_clip``.
+    Each token's gradient carries its own A_t: with A_t = A_i on all tokens and the
+    ``seq-mean-token-mean`` aggregation this is exactly ``gspo`` (same value and gradient); with
+    per-token advantages (a KL penalty in the reward, process rewards) it differs. Any
+    aggregation. ``dual_clip`` and ``weights`` act as in ``ppo_clip``. Shapes as ``ppo_clip``.
     """
     m = check_shapes(mask, logp=logp, old_logp=old_logp, advantages=advantages, weights=weights)
     lp = zero_pad(as_float(logp), m)
@@ -151,6 +181,6 @@ AGGREGATIONS: dict[str, Aggregation] = {
 }
 """Loss aggregation name -> ``Aggregation``."""
 
-POLICY_LOSSES: dict[str, Callable[..., PolicyTerms]] = {"ppo": ppo_clip, "gspo": gspo}
+POLICY_LOSSES: dict[str, Callable[..., PolicyTerms]] = {"ppo": ppo_clip, "gspo": gspo, "gspo_token": gspo_token}
 """``--actor.policy_loss_type`` -> ``(logp, old_logp, advantages, mask, *, clip_low, clip_high,
 dual_clip=None, weights=None) -> PolicyTerms``."""

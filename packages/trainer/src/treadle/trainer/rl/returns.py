@@ -4,13 +4,16 @@
 same numbers), the steps OpenRLHF's experience maker runs after the forward passes:
 
 1. episode reward: the trajectory's reward (or the reward model's score), then DAPO's overlong
-   penalty, the stop-properly penalty and clipping (``rl.shaping``);
+   penalty and the stop-properly penalty (``rl.shaping``);
 2. the importance-sampling correction weights of rollout/trainer mismatch (``rl.correction``), or 1;
 3. the per-token KL to the reference, subtracted from the reward unless it is a loss term (``rl.kl``);
-4. the group baseline of the estimator, then returns and advantages (``rl.advantages``).
+4. the group baseline of the estimator, then clipping to ``--reward.clip_range`` (after the
+   baseline, as OpenRLHF's ``compute_reward``), then returns and advantages (``rl.advantages``).
 
-It fills the ``advantages``, ``returns`` and ``is_weights`` action arrays and returns the step's
-metrics. Group order: experiences come group by group, ``n`` consecutive samples per prompt.
+These per-token scalars are computed in float64 (rewards of 1e4 lose digits in float32 sums and
+whitening) and stored as the float32 action arrays ``advantages``, ``returns`` and
+``is_weights``; it returns the step's metrics. Group order: experiences come group by group,
+``n`` consecutive samples per prompt.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import torch
 
 from treadle.trainer.rl.advantages import GROUP_BASELINES, compute_advantages, token_rewards
 from treadle.trainer.rl.correction import is_correction, logprob_gap
-from treadle.trainer.rl.experience import Experience, stack, unstack
+from treadle.trainer.rl.experience import Experience, env_gaps, stack, unstack
 from treadle.trainer.rl.kl import KL_ESTIMATORS
 from treadle.trainer.rl.shaping import clip_rewards, overlong_penalty, stop_properly
 
@@ -47,21 +50,28 @@ class ReturnsConfig:
     overlong_buffer_len: float | None
     overlong_penalty_factor: float
     stop_properly_coef: float | None
-    is_kind: str | None
-    """IS correction type; None: off (weights 1)."""
-    is_band: tuple[float, float]
+    is_level: str | None
+    """IS correction level ("token" or "seq"); None: off (weights 1)."""
+    is_mode: str = "mask"
+    """IS correction mode ("mask" or "clip")."""
+    is_gating: str = "ratio"
+    """Statistic the IS gate reads ("ratio", "binary_kl", "tv")."""
+    is_band: tuple[float, float] = (0.5, 5.0)
+    """[low, high] band of the gated statistic."""
+    discount_env_tokens: bool = False
+    """gamma and lambda also apply at environment tokens of multi-turn trajectories (OpenRLHF's layout)."""
 
 
 def episode_rewards(exps: Sequence[Experience], cfg: ReturnsConfig) -> torch.Tensor:
-    """[B] float32 shaped episode rewards (steps 1 of the module docstring)."""
-    r = torch.tensor([e.reward for e in exps], dtype=torch.float32)
+    """[B] float64 shaped episode rewards, before the baseline and clipping (step 1 of the module docstring)."""
+    r = torch.tensor([e.reward for e in exps], dtype=torch.float64)
     if cfg.overlong_buffer_len is not None:
-        lengths = torch.tensor([e.response_length for e in exps], dtype=torch.float32)
-        r = r + overlong_penalty(lengths, cfg.max_new_tokens, cfg.overlong_buffer_len, cfg.overlong_penalty_factor)
+        lengths = torch.tensor([e.response_length for e in exps], dtype=torch.float64)
+        r = r + overlong_penalty(lengths, cfg.max_new_tokens, cfg.overlong_buffer_len, cfg.overlong_penalty_factor).double()
     if cfg.stop_properly_coef is not None:
         stopped = torch.tensor([not e.traj.truncated for e in exps])
-        r = stop_properly(r, stopped, cfg.stop_properly_coef)
-    return clip_rewards(r, *cfg.clip_range)
+        r = stop_properly(r, stopped, cfg.stop_properly_coef).double()
+    return r
 
 
 def finalize(exps: Sequence[Experience], cfg: ReturnsConfig) -> dict[str, float]:
@@ -70,32 +80,34 @@ def finalize(exps: Sequence[Experience], cfg: ReturnsConfig) -> dict[str, float]
     Without ``old_logp`` arrays (not scored: strictly on-policy, no KL penalty in the reward, no IS
     correction) the gap between engine and trainer is measured in the actor's step instead."""
     rollout, mask = stack(exps, "rollout_logp")
+    rollout = rollout.double()
     metrics: dict[str, float] = {}
     if "old_logp" in exps[0].arrays:
-        old, _ = stack(exps, "old_logp")
+        old = stack(exps, "old_logp")[0].double()
         metrics["logprob_gap/mean"], metrics["logprob_gap/max"] = logprob_gap(old, rollout, mask)
-    elif cfg.is_kind is not None or (cfg.kl_coef > 0 and cfg.kl_in_reward):
+    elif cfg.is_level is not None or (cfg.kl_coef > 0 and cfg.kl_in_reward):
         raise ValueError("finalize needs old_logp for the IS correction and the KL penalty")
-    if cfg.is_kind is None:
-        weights = mask.float()
+    if cfg.is_level is None:
+        weights = mask.double()
     else:
-        weights, keep = is_correction(old, rollout, mask, kind=cfg.is_kind, low=cfg.is_band[0], high=cfg.is_band[1])
-        weights = (weights * keep).float()
+        weights, keep = is_correction(old, rollout, mask, level=cfg.is_level, mode=cfg.is_mode, gating=cfg.is_gating,
+                                      low=cfg.is_band[0], high=cfg.is_band[1])
         metrics["is/kept_frac"] = float(keep.sum() / mask.sum().clamp(min=1))
     unstack(exps, "is_weights", weights)
 
     shaped = episode_rewards(exps, cfg)
     kl = None
     if "ref_logp" in exps[0].arrays and "old_logp" in exps[0].arrays:
-        ref, _ = stack(exps, "ref_logp")
+        ref = stack(exps, "ref_logp")[0].double()
         kl = KL_ESTIMATORS[cfg.kl_estimator](old, ref) * mask
         per_seq = kl.sum(1) / mask.sum(1).clamp(min=1)
         metrics["kl"] = float(per_seq.mean())
-    final = GROUP_BASELINES[cfg.estimator](shaped, cfg.group_size)
+    final = clip_rewards(GROUP_BASELINES[cfg.estimator](shaped, cfg.group_size), *cfg.clip_range)
     rewards = token_rewards(final, mask, kl if cfg.kl_in_reward else None, cfg.kl_coef)
-    values = stack(exps, "values")[0] if cfg.estimator == "gae" else None
+    values = stack(exps, "values")[0].double() if cfg.estimator == "gae" else None
+    gaps = env_gaps(exps) if cfg.discount_env_tokens else None
     adv, ret = compute_advantages(cfg.estimator, token_rewards=rewards, mask=mask, values=values, gamma=cfg.gamma,
-                                  lambd=cfg.lambd, std_norm=cfg.std_norm)
+                                  lambd=cfg.lambd, std_norm=cfg.std_norm, gaps=gaps)
     unstack(exps, "advantages", adv)
     unstack(exps, "returns", ret)
     raw = np.array([e.reward for e in exps], dtype=np.float64)

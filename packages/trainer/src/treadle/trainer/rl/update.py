@@ -28,8 +28,9 @@ from torch import Tensor
 from treadle.trainer.data.batching import by_count, by_tokens, split_to
 from treadle.trainer.models.actor import Actor
 from treadle.trainer.models.value_model import token_values
+from treadle.trainer.rl._masked import zero_pad
 from treadle.trainer.rl.experience import ActionBatch, Experience, as_sample, collate
-from treadle.trainer.rl.kl import KL_ESTIMATORS
+from treadle.trainer.rl.kl import KL_ESTIMATORS, unbiased_kl_gradient
 from treadle.trainer.rl.policy_loss import AGGREGATIONS, POLICY_LOSSES, value_loss
 from treadle.trainer.strategy.deepspeed import all_reduce
 
@@ -59,7 +60,7 @@ class PolicyLoss:
     """The actor's loss settings (from ``--actor.*`` and ``--algo.kl.*``)."""
 
     kind: str
-    """"ppo" or "gspo" (``POLICY_LOSSES``)."""
+    """"ppo", "gspo" or "gspo_token" (``POLICY_LOSSES``)."""
     clip_low: float
     clip_high: float
     dual_clip: float | None
@@ -73,6 +74,11 @@ class PolicyLoss:
     """``KL_ESTIMATORS`` key."""
     temperature: float
     """Sampling temperature (logprobs are of the sampling distribution)."""
+    kl_unbiased_gradient: bool = False
+    """The KL loss term back-propagates the reverse KL's importance-weighted gradient (``kl.unbiased_kl_gradient``)."""
+    ratio_to_rollout: bool = False
+    """The policy ratio is taken against the rollout engine's logprobs instead of the old policy's
+    (GSPO with the IS correction, as OpenRLHF's); the IS weights are then not applied."""
 
 
 def micro_groups(exps: Sequence[Experience], b: Batching) -> list[list[int]]:
@@ -129,12 +135,17 @@ def actor_step(engine: Any, exps: Sequence[Experience], b: Batching, loss: Polic
 
     Without ``old_logp`` arrays (strictly on-policy: one optimizer step per rollout batch, so the
     weights cannot change between sampling and this step's forwards) the old policy is the current
-    one: ``old = logp.detach()``, which is what a separate scoring pass would have computed."""
+    one: ``old = logp.detach()``, which is what a separate scoring pass would have computed.
+
+    The KL-loss and entropy terms are token means over the step whatever ``loss.aggregation`` says
+    (OpenRLHF's ``aggregate_loss`` defaults for them); only the policy loss follows it."""
     on_policy = "old_logp" not in exps[0].arrays
     names = ["advantages", "is_weights", "rollout_logp"] + ([] if on_policy else ["old_logp"]) \
         + (["ref_logp"] if loss.kl_coef > 0 else [])
+    rollout_ratio = loss.ratio_to_rollout
     agg = AGGREGATIONS[loss.aggregation]
     units = _units(exps, loss.aggregation, b)
+    tok, tokens = AGGREGATIONS["token-mean"], _units(exps, "token-mean", b)
     groups = micro_groups(exps, b)
     sums: dict[str, float] = defaultdict(float)
     engine.train()
@@ -147,41 +158,50 @@ def actor_step(engine: Any, exps: Sequence[Experience], b: Batching, loss: Polic
         sums["_gap_sum"] += float(gap.sum())
         sums["_gap_max"] = max(sums["_gap_max"], float(gap.max()))
         sums["_actions"] += float(m.sum())
-        terms = POLICY_LOSSES[loss.kind](logp, old, ab.arrays["advantages"], m,
-                                         clip_low=loss.clip_low, clip_high=loss.clip_high,
-                                         weights=ab.arrays["is_weights"], **_dual(loss))
-        per_token = terms.loss
+        terms = POLICY_LOSSES[loss.kind](logp, ab.arrays["rollout_logp"] if rollout_ratio else old,
+                                         ab.arrays["advantages"], m, clip_low=loss.clip_low, clip_high=loss.clip_high,
+                                         dual_clip=loss.dual_clip, weights=None if rollout_ratio else ab.arrays["is_weights"])
+        per_token, token_terms = terms.loss, torch.zeros_like(terms.loss)
         if loss.kl_coef > 0:
-            kl = KL_ESTIMATORS[loss.kl_estimator](logp, ab.arrays["ref_logp"]) * m
-            per_token = per_token + loss.kl_coef * kl
-            sums["kl_loss"] += float(agg.total(kl.detach(), m))
+            kl = KL_ESTIMATORS[loss.kl_estimator](logp, ab.arrays["ref_logp"])
+            if loss.kl_unbiased_gradient:
+                kl = unbiased_kl_gradient(kl, logp, ab.arrays["ref_logp"], old)
+            kl = kl * m
+            token_terms = token_terms + loss.kl_coef * kl
+            sums["_kl_loss"] += float(tok.total(kl.detach(), m))
         if out.entropy is not None:
             ent = ab.actions(out.entropy)
-            sums["entropy"] += float(agg.total(ent.detach(), m))
+            sums["_entropy"] += float(tok.total(ent.detach(), m))
             if loss.entropy_coef:
-                per_token = per_token - loss.entropy_coef * ent
-        step_loss = agg.total(per_token, m) / units
+                token_terms = token_terms - loss.entropy_coef * ent
+        step_loss = agg.total(per_token, m) / units + tok.total(token_terms, m) / tokens
         engine.set_gradient_accumulation_boundary(k == len(groups) - 1)
         engine.backward(step_loss * world, scale_wrt_gas=False)
         engine.step()
         sums["policy_loss"] += float(agg.total(terms.loss.detach(), m))
         sums["clip_frac"] += float(agg.total(terms.clipped.float(), m))
+        sums["_ppo_clipped"] += float(terms.ppo_clipped.sum())
+        sums["_ppo_kl"] += float(zero_pad(old - logp.detach(), m).sum())
         sums["ratio"] += float(agg.total(terms.ratio.detach() * m, m))
     gap_max = all_reduce([sums.pop("_gap_max")], b.device, op="max")[0]
-    gap_sum, actions = all_reduce([sums.pop("_gap_sum"), sums.pop("_actions")], b.device, group=b.dp_group)
+    token_keys = ("_gap_sum", "_actions", "_ppo_clipped", "_ppo_kl", "_kl_loss", "_entropy")
+    gap_sum, actions, ppo_clipped, ppo_kl, kl_loss, entropy = all_reduce(
+        [sums.pop(key, 0.0) for key in token_keys], b.device, group=b.dp_group)
     keys = sorted(sums)
     reduced = all_reduce([sums[key] for key in keys], b.device, group=b.dp_group)
     metrics = {f"actor/{key}": v / units for key, v in zip(keys, reduced, strict=True)}
     metrics.update({"actor/logprob_gap_mean": gap_sum / max(actions, 1.0), "actor/logprob_gap_max": gap_max})
+    # OpenRLHF's names: plain token means over the step, whatever the loss's aggregation
+    per_token = max(actions, 1.0)
+    metrics.update({"actor/ppo_clip_ratio": ppo_clipped / per_token, "actor/ppo_kl": ppo_kl / per_token,
+                    "actor/entropy": entropy / per_token})
+    if loss.kl_coef > 0:
+        metrics["actor/kl_loss"] = kl_loss / per_token
     metrics["actor/lr"] = engine.get_lr()[0]
     norm = engine.get_global_grad_norm()
     if norm is not None:
         metrics["actor/grad_norm"] = float(norm)
     return metrics
-
-
-def _dual(loss: PolicyLoss) -> dict[str, Any]:
-    return {"dual_clip": loss.dual_clip} if loss.kind == "ppo" else {}
 
 
 def critic_step(engine: Any, exps: Sequence[Experience], b: Batching, *, clip: float | None, world: int) -> dict[str, float]:

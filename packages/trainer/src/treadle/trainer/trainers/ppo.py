@@ -74,17 +74,25 @@ class PPOTrainer:
 
     # -- configuration views -------------------------------------------------------------------
 
+    @property
+    def gspo_rollout_ratio(self) -> bool:
+        """GSPO with the IS correction: its sequence ratio is taken against the rollout's logprobs
+        (OpenRLHF's), and no correction weights are computed."""
+        return self.cfg.actor.policy_loss_type == "gspo" and self.cfg.algo.advantage.is_correction_on
+
     def policy_loss(self) -> PolicyLoss:
         a, kl = self.cfg.actor, self.cfg.algo.kl
         low, high = a.clip_low_high
         return PolicyLoss(kind=a.policy_loss_type, clip_low=low, clip_high=high, dual_clip=a.dual_clip,
-                          entropy_coef=a.entropy_coef, aggregation=a.loss_agg_mode,
+                          entropy_coef=a.entropy_coef, aggregation=a.aggregation,
                           kl_coef=self.kl.coef if kl.use_loss else 0.0, kl_estimator=kl.estimator,
-                          temperature=self.cfg.rollout.temperature)
+                          temperature=self.cfg.rollout.temperature, kl_unbiased_gradient=kl.unbiased_gradient,
+                          ratio_to_rollout=self.gspo_rollout_ratio)
 
     def returns_config(self) -> ReturnsConfig:
         c = self.cfg
         adv, kl, r = c.algo.advantage, c.algo.kl, c.reward
+        weighted = adv.is_correction_on and not self.gspo_rollout_ratio
         return ReturnsConfig(
             estimator=adv.estimator, group_size=c.rollout.n_samples_per_prompt, gamma=adv.gamma, lambd=adv.lambd,
             std_norm=not adv.no_std_norm, kl_coef=self.kl.coef if self.p.reference is not None else 0.0,
@@ -92,7 +100,8 @@ class PPOTrainer:
             max_new_tokens=c.rollout.max_new_tokens or c.max_len - c.data.prompt_max_len,
             overlong_buffer_len=r.overlong_buffer_len, overlong_penalty_factor=r.overlong_penalty_factor,
             stop_properly_coef=r.stop_properly_penalty_coef,
-            is_kind=adv.is_correction_type if adv.is_correction_enable else None, is_band=adv.is_correction_threshold)
+            is_level=adv.is_correction_level if weighted else None, is_mode=adv.is_correction_mode,
+            is_gating=adv.is_correction_gating, is_band=adv.is_band, discount_env_tokens=adv.discount_env_tokens)
 
     @property
     def needs_old_logp(self) -> bool:
@@ -107,7 +116,7 @@ class PPOTrainer:
         c = self.cfg
         kl_in_reward = self.p.reference is not None and not c.algo.kl.use_loss
         return (c.train.max_epochs > 1 or self.p.opt_steps_per_rl_step > 1 or kl_in_reward
-                or c.algo.advantage.is_correction_enable or self.p.reference is not None)
+                or c.algo.advantage.is_correction_on or self.p.reference is not None)
 
     @property
     def total_steps(self) -> int:

@@ -2,8 +2,9 @@
 
 Targets are the answer tokens (``--data.output_key``), the assistant turns of a conversation
 (``--data.apply_chat_template``; only the last one unless ``--data.multiturn``), or every token
-(``--actor.pretrain_mode_enable``). The loss is the token mean over the whole optimizer step
-(``losses.sft``).
+(``--actor.pretrain_mode_enable``). The loss is the token mean over the whole optimizer step, or
+with ``--actor.loss_agg_mode seq-mean-token-mean`` the mean over the step's sequences of each
+one's token mean (``losses.sft``).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from treadle.trainer.config.commands import SFTConfig
 from treadle.trainer.data.batching import SeqBatch
 from treadle.trainer.data.formatting import sft_samples
 from treadle.trainer.data.samples import Sample
-from treadle.trainer.losses.sft import nll_loss
+from treadle.trainer.losses.sft import nll_loss, nll_loss_seq_mean
 from treadle.trainer.models.actor import Actor
 from treadle.trainer.models.loading import load_causal_lm
 from treadle.trainer.ops.logprobs import sequence_sums
@@ -41,18 +42,24 @@ def export_causal_lm(trainer: SupervisedTrainer, out: Path) -> None:
 
 
 class SFTTrainer(SupervisedTrainer):
-    """Token-mean negative log-likelihood of the target tokens."""
+    """Negative log-likelihood of the target tokens: token mean, or (``seq_mean``) sequence mean of token means."""
 
-    def __init__(self, parts: Parts) -> None:
+    def __init__(self, parts: Parts, *, seq_mean: bool = False) -> None:
         super().__init__(parts)
         self.actor = Actor(self.engine, ring=parts.ring)
+        self.seq_mean = seq_mean
 
     def unit(self, sample: Sample) -> float:
+        if self.seq_mean:
+            return float(sample.num_targets > 0)
         return sample.num_targets
 
     def micro_loss(self, batch: SeqBatch, group: Sequence[Sample], normaliser: float) -> tuple[Tensor, dict[str, Tensor]]:
         out = self.actor(batch, targets_only=True)
-        loss = nll_loss(out.logprobs, batch.target_mask, normaliser)
+        if self.seq_mean:
+            loss = nll_loss_seq_mean(out.logprobs, batch.target_mask, batch.seq_index, batch.num_seqs, normaliser)
+        else:
+            loss = nll_loss(out.logprobs, batch.target_mask, normaliser)
         return loss, {"loss": loss.detach() * normaliser}
 
     def eval_sums(self, batch: SeqBatch, group: Sequence[Sample]) -> dict[str, Tensor]:
@@ -85,7 +92,7 @@ def build_trainer(cfg: SFTConfig) -> SFTTrainer:
     parts = Parts(dist=dist, engine=engine, tokenizer=tok, train_set=train, eval_set=evaluation, order=order,
                   checkpointer=build.checkpointer(cfg, dist), metrics=build.metrics_logger(cfg, dist, "sft"),
                   loop=build.loop_config(cfg, "eval_loss"), zero_stage=cfg.ds.zero_stage, ring=ring, dp=dp)
-    return SFTTrainer(parts)
+    return SFTTrainer(parts, seq_mean=cfg.actor.loss_agg_mode == "seq-mean-token-mean")
 
 
 def run(cfg: SFTConfig) -> TrainState:
