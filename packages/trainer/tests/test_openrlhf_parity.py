@@ -231,7 +231,7 @@ def test_value_loss_matches(orl, x, clip):
     theirs = orl.loss.ValueLoss(clip_eps=clip)(a, x.old, x.adv / 1e3, action_mask=x.mask.double())
     agg = AGGREGATIONS["token-mean"]
     mine = agg.total(value_loss(b, x.old, x.adv / 1e3, x.mask, clip=clip), x.mask) / agg.units(x.mask)
-    close(mine, theirs, tol=1e-9 * max(1.0, float(theirs)), rtol=1e-9)
+    close(mine, theirs, tol=1e-9 * max(1.0, float(theirs.detach())), rtol=1e-9)
     close(torch.autograd.grad(mine, b)[0], torch.autograd.grad(theirs, a)[0], tol=1e-9, rtol=1e-9)
 
 
