@@ -9,6 +9,9 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 # no network there
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1
 export PYTHONUNBUFFERED=1
+# torch.cuda.is_available() asks the CUDA runtime, which poisons fork, and vLLM forks its engine core
+# unless CUDA is initialised ("Cannot re-initialize CUDA in forked subprocess"): ask NVML instead
+export PYTORCH_NVML_BASED_CUDA_CHECK=1
 # flashinfer is not carried: without this the sampler imports it unconditionally
 # (vllm/v1/sample/ops/topk_topp_sampler.py, flashinfer_sampler_supported) and the
 # engine core dies with "ModuleNotFoundError: No module named 'flashinfer'".

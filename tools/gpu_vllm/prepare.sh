@@ -5,15 +5,14 @@
 #     bash tools/gpu_vllm/prepare.sh        (from the repo root; needs pip reaching PyPI, xz, strip)
 #
 # The pieces land in .gpu/ (git-ignored): .gpu/p1/core.txz.aa (+ .ab ... in p2 ... with a smaller
-# PIECE_MB), and with WITH_FA3=1 .gpu/fa3/fa3.txz.*. The core is ~33 MiB: with treadle's own
-# wheels (tools/gpu_wheels.sh .cache/gpu_wheels, ~17 MiB) and the tracked files (~3 MiB) it
-# travels in one call: carry=[".gpu/p1", ".cache/gpu_wheels"]. FA3 (~33 MiB more) does not fit
-# beside them: carry .gpu/fa3 in a call of its own first (install_on_device.sh keeps it in /tmp).
+# PIECE_MB). The core is ~40 MiB, FlashAttention-3 included (vLLM 0.26's Qwen2 module imports
+# vllm_flash_attn, which refuses to import without an FA2 or FA3 extension; FA3's 141 MiB
+# compress to ~7.5 MiB). With treadle's own wheels (tools/gpu_wheels.sh .cache/gpu_wheels,
+# ~17 MiB) and the tracked files (~3 MiB) it travels in one call:
+# carry=[".gpu/p1", ".cache/gpu_wheels"].
 #
 # Env knobs:
 #   PIECE_MB   size of one piece in MiB (default 44)
-#   WITH_FA3=1 also build the FlashAttention-3 archive. Without it vLLM picks the TRITON_ATTN
-#              backend on the H200 (fp32 too, which FA3 has not).
 #   OUT_DIR    where the pieces go (default .gpu; must be git-ignored)
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
@@ -35,7 +34,7 @@ PIP_CONSTRAINT= $PY -m pip download -q "${PIPFLAGS[@]}" -d "$WORK/wheels" "${REQ
 ls -l "$WORK/wheels"
 
 echo "== install into $WORK/site (no deps, no bytecode)"
-rm -rf "$WORK/site" "$WORK/fa3"
+rm -rf "$WORK/site"
 PIP_CONSTRAINT= $PY -m pip install -q "${PIPFLAGS[@]}" --no-compile --target "$WORK/site" "$WORK"/wheels/*.whl
 V="$WORK/site/vllm"
 
@@ -49,14 +48,10 @@ rm -f "$V"/vllm_flash_attn/_vllm_fa2_C.abi3.so "$V"/_moe_C_stable_libtorch.abi3.
   "$V"/_qutlass_C.abi3.so "$V"/_rust_tool_parser.abi3.so "$V"/spinloop.abi3.so \
   "$V"/fs_io_C.abi3.so
 rm -rf "$V"/third_party/deep_gemm "$V"/third_party/fmha_sm100
-# FA3 (Hopper attention kernels) goes to its own optional archive.
-mkdir -p "$WORK/fa3/site/vllm/vllm_flash_attn"
-mv "$V"/vllm_flash_attn/_vllm_fa3_C.abi3.so "$WORK/fa3/site/vllm/vllm_flash_attn/"
 # Drop the static symbol tables (the dynamic ones stay) and keep only the
-# sm_90 device code of the main kernel library.
-strip --strip-unneeded "$V"/_C_stable_libtorch.abi3.so
+# sm_90 device code of the main kernel library (FA3 is sm_90a only already).
+strip --strip-unneeded "$V"/_C_stable_libtorch.abi3.so "$V"/vllm_flash_attn/_vllm_fa3_C.abi3.so
 $PY "$HERE/prune_fatbin.py" "$V"/_C_stable_libtorch.abi3.so "$V"/_C_stable_libtorch.abi3.so 90
-strip --strip-unneeded "$WORK/fa3/site/vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so"
 find "$WORK/site" -name __pycache__ -prune -exec rm -rf {} +
 du -sb "$WORK/site"
 
@@ -68,13 +63,6 @@ mkdir -p "$OUT_DIR/split"
 split -b "${PIECE_MB}M" -a 2 "$WORK/core.txz" "$OUT_DIR/split/core.txz."
 (cd "$WORK" && sha256sum core.txz) > "$WORK/SHA256SUMS.core"
 { echo "# pieces install_on_device.sh waits for"; (cd "$OUT_DIR/split" && ls core.txz.*); } > "$WORK/MANIFEST"
-if [ "${WITH_FA3:-0}" = 1 ]; then
-  tar -C "$WORK/fa3" -cf - site | xz -9 -T0 > "$WORK/fa3.txz"
-  mkdir -p "$OUT_DIR/fa3"
-  split -b "${PIECE_MB}M" -a 2 "$WORK/fa3.txz" "$OUT_DIR/fa3/fa3.txz."
-  (cd "$WORK" && sha256sum fa3.txz) > "$OUT_DIR/fa3/SHA256SUMS.fa3"
-  (cd "$OUT_DIR/fa3" && ls fa3.txz.*) >> "$WORK/MANIFEST"
-fi
 i=0
 for f in "$OUT_DIR"/split/core.txz.*; do
   i=$((i+1)); mkdir -p "$OUT_DIR/p$i"; mv "$f" "$OUT_DIR/p$i/"
