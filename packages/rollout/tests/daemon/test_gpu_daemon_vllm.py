@@ -14,7 +14,9 @@ import pytest
 import torch
 from treadle_testing import load_by_path
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+# device_count(), not is_available(): that asks the CUDA runtime, which poisons fork, and vLLM forks its
+# engine core ("Cannot re-initialize CUDA in forked subprocess"); device_count() asks NVML.
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() == 0, reason="needs CUDA")]
 
 _suite = load_by_path("treadle_rollout_daemon_vllm", Path(__file__).with_name("test_daemon_vllm.py"))
 globals().update({k: v for k, v in vars(_suite).items() if k.startswith("test_")})
