@@ -141,17 +141,17 @@ class WeightGroup:
             self._pg = dist.ProcessGroupNCCL(prefixed, spec.rank, spec.world_size, opts)
         self._store = store
 
-    def broadcast(self, tensor: torch.Tensor) -> None:
-        """In place: every member's ``tensor`` becomes rank 0's (same shape and dtype)."""
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
+        """In place: every member's ``tensor`` becomes rank ``src``'s (same shape and dtype)."""
         if self._pg is None:
             raise BadRequest(f"weight group {self.spec.host}:{self.spec.port} is closed")
         if self.spec.backend == "nccl":
             import torch
 
             with torch.cuda.device(tensor.device):  # NCCL streams are per device and thread
-                self._pg.broadcast(tensor, 0).wait()
+                self._pg.broadcast(tensor, src).wait()
             return
-        self._pg.broadcast(tensor, 0).wait()
+        self._pg.broadcast(tensor, src).wait()
 
     def close(self) -> None:
         """Drop the group; the other members need not close with it (a daemon leaves one sender's
