@@ -30,8 +30,8 @@ from treadle.common.codec import decode, encode
 from treadle.common.records import (
     Control,
     GenerateRequest,
-    RewardRequest,
     InlineWeights,
+    RewardRequest,
     SamplingParams,
 )
 from treadle.common.rpc import SyncRpcClient
