@@ -357,7 +357,7 @@ def run_zero3(daemon: Daemon, model: Path, out: Path, nproc: int, run_torchrun: 
     assert main["lora"]["gap"] <= TOL and main["lora"]["version"] == v + 5
     assert main["lora"]["digest_ok"]  # the ZeRO-3 LoRA export (merged) holds exactly what the engine loaded
     for r in results:  # every rank took the same branch
-        assert r["same_version"] == "BadRequest" and r["wrong_dtype"] == "BadRequest"
+        assert r["same_version"] == "BadRequest" and r["wrong_dtype"] == "WeightMismatch"  # its own wire code now
         assert r["bucketed"]["report"]["tensors"] == 26
     return results
 

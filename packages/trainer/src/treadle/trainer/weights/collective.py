@@ -73,7 +73,7 @@ class Collective:
         if broadcast is not None:
             sent.answer, err = broadcast.result()
             sent.send_seconds = broadcast.send_seconds
-            if err is not None or broadcast.sent < len(sizes):
+            if broadcast.sent < len(sizes):
                 self._drop_group()  # the members are out of step: rebuild before the next sync
         r.settle(err, version)
         return sent
