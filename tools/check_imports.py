@@ -4,7 +4,10 @@
 Checks, statically (ast) over every module under packages/*/src and integration/src:
 1. A package imports only the packages DESIGN.md allows:
    common <- rollout, rewards, agents <- trainer <- integration.
-2. Nobody imports a sibling's internals (a module or name whose path has a part starting with "_").
+2. Nobody imports a sibling's internals (a module or name whose path has a part starting with "_"),
+   nor the sibling subpackages named in ``PRIVATE``: the trainer talks to the rollout engines
+   through ``treadle.rollout``'s client and ``treadle.common``'s weight protocol, never their
+   internals; the launcher uses the trainer's config and daemon modules, not its RL loop or sender.
 3. Light modules (all of treadle.common, and the client modules listed in LIGHT) import none of
    torch, deepspeed, vllm, ray, transformers at module level ("import time"); imports inside a
    function or under ``if TYPE_CHECKING:`` are fine.
@@ -29,6 +32,10 @@ ALLOWED: dict[str, set[str]] = {
     "agents": {"common", "rollout", "rewards"},
     "trainer": {"common", "rollout", "rewards", "agents"},
     "integration": {"common", "rollout", "rewards", "agents", "trainer"},
+}
+PRIVATE: dict[str, tuple[str, ...]] = {  # importer -> module prefixes it may not import
+    "trainer": ("treadle.rollout.engine",),
+    "integration": ("treadle.trainer.rl", "treadle.trainer.weights", "treadle.trainer.trainers"),
 }
 HEAVY = ("torch", "deepspeed", "vllm", "ray", "transformers")
 # Modules outside treadle.common that must stay importable without the heavy stack (client-only installs).
@@ -101,6 +108,8 @@ def check_file(path: Path, pkg: str, mod: str) -> list[str]:
             if dep != pkg:
                 if dep not in ALLOWED.get(pkg, set()):
                     problems.append(f"{rel}:{lineno}: treadle.{pkg} may not import treadle.{dep} ({target})")
+                if any(target == p or target.startswith(p + ".") for p in PRIVATE.get(pkg, ())):
+                    problems.append(f"{rel}:{lineno}: treadle.{pkg} may not import {target} (see PRIVATE)")
                 hidden = [p for p in parts[2:] + names if p.startswith("_") and not p.startswith("__")]
                 if hidden:
                     problems.append(f"{rel}:{lineno}: imports internals of treadle.{dep}: {target} {names}")

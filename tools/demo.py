@@ -57,6 +57,7 @@ class Args:
     eval_size: int = 500  # held-out problems
     carry_error: float = 0.5  # share of carrying SFT answers where the teacher forgets the carry
     require_improvement: bool = True  # exit 1 unless greedy accuracy rises (tests of the plumbing turn it off)
+    gpu: bool = False  # on GPU 0: bf16 trainers, a vLLM engine beside them, weights over CUDA IPC
     recipe: Recipe = field(default_factory=Recipe)
 
 
@@ -139,7 +140,7 @@ def _prepare(args: Args, steps: Steps, env: dict[str, str]) -> tuple[Dataset, Da
         files = write_dataset(ds, out / "data")
         s(status=f"{len(ds.sft)} SFT rows, {len(ds.rl)} RL prompts, {len(ds.eval)} held out")
     with steps.step("(c) SFT treadle-train sft", total=r.sft_steps) as s:
-        run_logged("treadle-train sft", sft_command(r, model=args.model, data=files.sft, out=out / "sft"),
+        run_logged("treadle-train sft", sft_command(r, model=args.model, data=files.sft, out=out / "sft", gpu=args.gpu),
                    out / "logs" / "sft.log", out / "sft" / "ckpt" / "metrics.jsonl",
                    lambda rows: s(completed=rows[-1]["step"], status=_sft_status(rows)), env)
     return ds, files
@@ -163,7 +164,7 @@ def _grpo(args: Args, steps: Steps, ds: Dataset, files: DataFiles, endpoint: str
             g(completed=new[-1]["step"], status=_ppo_status(seen))
 
         cmd = ppo_command(r, model=out / "sft" / "model", prompts=files.rl, num_prompts=len(ds.rl),
-                          eval_data=files.eval, endpoint=endpoint, out=out / "rl")
+                          eval_data=files.eval, endpoint=endpoint, out=out / "rl", gpu=args.gpu)
         return run_logged("treadle-train ppo", cmd, out / "logs" / "ppo.log", out / "rl" / "ckpt" / "metrics.jsonl",
                           on_rows, env)
 
@@ -184,7 +185,7 @@ def run(args: Args, steps: Steps) -> Outcome:
     r, out = args.recipe, args.out
     env = dict(os.environ)  # vllm_cpu.apply_env() filled in the CPU settings; the children inherit them
     ds, files = _prepare(args, steps, env)
-    with Daemon(out / "sft" / "model", out / "logs" / "rollout-sft.log", seed=r.seed, env=env) as daemon:
+    with Daemon(out / "sft" / "model", out / "logs" / "rollout-sft.log", seed=r.seed, env=env, gpu=args.gpu) as daemon:
         with steps.step("(d) rollout daemon on the SFT model") as s:
             from transformers import AutoTokenizer  # noqa: PLC0415  (loads while the daemon starts)
 
@@ -194,7 +195,7 @@ def run(args: Args, steps: Steps) -> Outcome:
         before = _measure(steps, "    accuracy before GRPO", daemon, tokenizer, ds.eval, r)
         rows = _grpo(args, steps, ds, files, daemon.endpoint, env)
         served = daemon.weight_digest()  # what the last weight broadcast left in the engine
-    with Daemon(out / "rl" / "model", out / "logs" / "rollout-rl.log", seed=r.seed, env=env) as daemon:
+    with Daemon(out / "rl" / "model", out / "logs" / "rollout-rl.log", seed=r.seed, env=env, gpu=args.gpu) as daemon:
         with steps.step("(f) rollout daemon on the exported model") as s:
             daemon.wait_ready()
             same = daemon.weight_digest() == served
@@ -231,7 +232,8 @@ def report(args: Args, steps: Steps, res: Outcome, seconds: float, load: tuple[f
 
 def main() -> int:
     args = tyro.cli(Args, use_underscores=True)  # flags spelled like treadle-train's
-    vllm_cpu.apply_env()  # OMP_NUM_THREADS=1, offline hub, quiet vLLM: before torch is imported anywhere
+    if not args.gpu:
+        vllm_cpu.apply_env()  # OMP_NUM_THREADS=1, offline hub, quiet vLLM: before torch is imported anywhere
     start, load = time.perf_counter(), os.getloadavg()
     _clear(args.out)
     steps = Steps()

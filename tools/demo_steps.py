@@ -69,31 +69,40 @@ def free_endpoint() -> str:
         return f"tcp://127.0.0.1:{s.getsockname()[1]}"
 
 
-def serve_command(model: Path, endpoint: str, seed: int) -> list[str]:
-    """One vLLM CPU engine, fp32 like the trainer (so its logprobs match), unpinned: the trainer
-    and the engine take turns on the same two cores."""
+def serve_command(model: Path, endpoint: str, seed: int, gpu: bool = False) -> list[str]:
+    """One vLLM engine: on CPU fp32 like the trainer (so its logprobs match), unpinned (the
+    trainer and the engine take turns on the same two cores); ``gpu``: bf16 on GPU 0, beside the
+    trainer, with a third of its memory."""
+    where = (["--engine.dtype", "bfloat16", "--gpu_ids", "0", "--engine.gpu_memory_utilization", "0.3"] if gpu
+             else ["--engine.dtype", "float32", "--no_cpu_bind"])
     return [sys.executable, "-m", "treadle.rollout", "serve", "--model", str(model), "--engines", "1",
-            "--backend", "vllm", "--endpoint", endpoint, "--engine.dtype", "float32",
-            "--engine.max_model_len", "64", "--engine.seed", str(seed), "--no_cpu_bind"]
+            "--backend", "vllm", "--endpoint", endpoint, "--engine.max_model_len", "64", "--engine.seed", str(seed),
+            *where]
 
 
-def sft_command(r: Recipe, *, model: Path, data: Path, out: Path) -> list[str]:
-    """``treadle-train sft``: one process, ZeRO-2, fp32, the answer tokens (+ EOS) as targets."""
+def _precision(gpu: bool) -> list[str]:
+    """The trainers' DeepSpeed settings: ZeRO-2, fp32 on CPU, bf16 on a GPU."""
+    return ["--ds.zero_stage", "2", "--ds.param_dtype", "bf16" if gpu else "fp32"]
+
+
+def sft_command(r: Recipe, *, model: Path, data: Path, out: Path, gpu: bool = False) -> list[str]:
+    """``treadle-train sft``: one process, ZeRO-2, the answer tokens (+ EOS) as targets."""
     return [sys.executable, "-m", "treadle.trainer.cli", "sft", "--actor.model_name_or_path", str(model),
             "--data.dataset", str(data), "--data.input_key", "prompt", "--data.output_key", "answer",
             "--train.batch_size", str(r.sft_batch), "--train.micro_batch_size", str(r.sft_batch),
-            "--train.max_epochs", "1", "--train.seed", str(r.seed), "--adam.lr", str(r.sft_lr),
-            "--ds.zero_stage", "2", "--ds.param_dtype", "fp32",
+            "--train.max_epochs", "1", "--train.seed", str(r.seed), "--adam.lr", str(r.sft_lr), *_precision(gpu),
             "--ckpt.path", str(out / "ckpt"), "--ckpt.output_dir", str(out / "model"), "--ckpt.disable_ds"]
 
 
 def ppo_command(r: Recipe, *, model: Path, prompts: Path, num_prompts: int, eval_data: Path, endpoint: str,
-                out: Path) -> list[str]:
+                out: Path, gpu: bool = False) -> list[str]:
     """``treadle-train ppo`` as GRPO with the built-in math verifier, on the demo's daemon.
 
     One optimizer step per rollout batch (strictly on-policy, so no scoring pass is needed), no
     KL term (no reference model to run), greedy pass@1 on the eval split every ``eval_every``
-    steps for the curve; no best-checkpoint saves (they cost time and the demo exports the last)."""
+    steps for the curve; no best-checkpoint saves (they cost time and the demo exports the last).
+    ``gpu``: the weights reach the engine on the trainer's GPU over CUDA IPC."""
+    sync = ["--vllm.sync_backend", "cuda_ipc", "--vllm.bucket_mb", "256"] if gpu else ["--vllm.bucket_mb", "1"]
     passes, used = r.episodes(num_prompts)
     samples = r.rl_prompts * r.group_size
     return [sys.executable, "-m", "treadle.trainer.cli", "ppo", "--actor.model_name_or_path", str(model),
@@ -106,7 +115,7 @@ def ppo_command(r: Recipe, *, model: Path, prompts: Path, num_prompts: int, eval
             "--train.micro_batch_size", str(samples), "--train.seed", str(r.seed),
             "--actor.adam.lr", str(r.rl_lr), "--actor.lr_scheduler", "constant_with_warmup",
             "--actor.lr_warmup_ratio", "0.05", "--actor.num_gpus_per_node", "1",
-            "--ds.zero_stage", "2", "--ds.param_dtype", "fp32", "--vllm.endpoint", endpoint, "--vllm.bucket_mb", "1",
+            *_precision(gpu), "--vllm.endpoint", endpoint, *sync,
             "--eval.dataset", str(eval_data), "--eval.steps", str(r.eval_every), "--eval.temperature", "0",
             "--eval.n_samples_per_prompt", "1", "--ckpt.path", str(out / "ckpt"),
             "--ckpt.output_dir", str(out / "model"), "--ckpt.best_metric_key", "none", "--ckpt.disable_ds"]
@@ -184,12 +193,12 @@ def run_logged(name: str, cmd: Sequence[str], log: Path, metrics: Path,
 class Daemon:
     """A ``treadle-rollout serve`` child process on a free loopback port; a context manager."""
 
-    def __init__(self, model: Path, log: Path, *, seed: int, env: dict[str, str]) -> None:
+    def __init__(self, model: Path, log: Path, *, seed: int, env: dict[str, str], gpu: bool = False) -> None:
         self.endpoint = free_endpoint()
         self.log = log
         log.parent.mkdir(parents=True, exist_ok=True)
         with log.open("w") as fh:
-            self.proc = subprocess.Popen(serve_command(model, self.endpoint, seed), stdout=fh, stderr=subprocess.STDOUT,
+            self.proc = subprocess.Popen(serve_command(model, self.endpoint, seed, gpu), stdout=fh, stderr=subprocess.STDOUT,
                                          stdin=subprocess.DEVNULL, env=env, cwd=ROOT, start_new_session=True)
 
     def wait_ready(self, timeout_s: float = 600.0) -> None:

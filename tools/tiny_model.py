@@ -86,6 +86,11 @@ PRESETS: dict[str, Preset] = {
     # Untied, like Qwen2.5-7B, so the other lm_head path is exercised too. ~12M parameters.
     "small": Preset(vocab_size=4096, hidden_size=384, intermediate_size=1024, num_hidden_layers=6,
                     num_attention_heads=6, num_key_value_heads=2, tie_word_embeddings=False),
+    # Qwen2.5-0.5B's and -1.5B's layers (tied, GQA) with this tokenizer's vocabulary: GPU runs.
+    "qwen0.5b": Preset(vocab_size=4096, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                       num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True),
+    "qwen1.5b": Preset(vocab_size=4096, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                       num_attention_heads=12, num_key_value_heads=2, tie_word_embeddings=True),
 }
 
 

@@ -7,14 +7,15 @@ buffer holds its tensors packed in ``plan_buckets`` buckets of ``--bucket-mb`` i
 order (as a cuda_ipc sender's buffer does). Timed, medians of ``--repeats`` after one warm-up,
 each until the GPU is done: ``flat`` (one copy per bucket into a second flat buffer: the raw
 copy of the same bytes), ``views`` (making each bucket's tensor views alone, host), ``foreach``
-(typed, shaped views and one ``_foreach_copy_`` per bucket: the hf engine's load before
-``_copy_flats``), ``per_tensor`` (one
+(typed, shaped views and one ``_foreach_copy_`` per bucket: the hf engine's load), ``per_tensor`` (one
 ``copy_`` per tensor) and ``split`` (tensors of at least ``--big-mb`` copied one by one, the
 rest by one ``_foreach_copy_`` per bucket), ``split_views`` (1-d views from one ``split`` per
 bucket, host), ``foreach_split`` (those into the parameters' flat views), ``foreach_kept`` and
 ``per_tensor_kept`` (views made once: the copies alone), ``foreach_bytes`` (each tensor's bytes
-into the parameters' bytes, uint8), ``foreach_words`` (the hf engine's ``_copy_flats``: the same
-as 8-byte words, ``word_views``) and ``foreach_words_kept`` (its copies alone).
+into the parameters' bytes, uint8), ``foreach_words`` (the same as 8-byte words: the hf engine's
+load from 2026-12-01 until the weight-sync redesign of 2026-12-02, which went back to
+``foreach``) and ``foreach_words_kept`` (its copies alone). The byte and word views are this
+file's own (``_byte_splits``, ``_word_views``); the layout is ``treadle.common.weights``'.
 
     python tools/bench/bench_gpu_copy_in.py [--json out.json]
 """
@@ -33,6 +34,29 @@ SHAPE_1P5B = dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28
                   num_key_value_heads=2, vocab_size=151936)
 
 
+def _byte_splits(dtypes: list[str], shapes: list[list[int]]) -> list[int]:
+    """Split sizes cutting a bucket into its pieces: the gap before tensor 0, tensor 0's bytes,
+    the gap after it, ..., the tail; tensor i is piece ``2 * i + 1``."""
+    from treadle.common.weights import bucket_layout, tensor_nbytes
+
+    offsets, total = bucket_layout(dtypes, shapes)
+    out, end = [], 0
+    for dtype, shape, offset in zip(dtypes, shapes, offsets, strict=True):
+        n = tensor_nbytes(dtype, shape)
+        out += [offset - end, n]
+        end = offset + n
+    out.append(total - end)
+    return out
+
+
+def _word_views(flat: torch.Tensor, dtypes: list[str], shapes: list[list[int]]) -> tuple[int, list[torch.Tensor]]:
+    """``(8, views)``: each tensor's bytes in the bucket ``flat`` as a 1-d int64 view, from one
+    ``split`` (every size of this model is a multiple of 8 bytes, every offset of ALIGN)."""
+    splits = _byte_splits(dtypes, shapes)
+    assert flat.storage_offset() % 8 == 0 and all(n % 8 == 0 for n in splits), "not 8-byte words"
+    return 8, list(flat.view(torch.int64).split([n // 8 for n in splits]))[1::2]
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--bucket-mb", type=float, default=256.0)
@@ -42,14 +66,7 @@ def main() -> int:
     a = p.parse_args()
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    from treadle.rollout.engine.weights import (
-        bucket_layout,
-        bucket_ranges,
-        byte_splits,
-        plan_buckets,
-        unpack_bucket,
-        word_views,
-    )
+    from treadle.common.weights import bucket_layout, bucket_ranges, bucket_views, plan_buckets
 
     dev = torch.device("cuda", 0)
     cfg = Qwen2Config(**SHAPE_1P5B, tie_word_embeddings=True)
@@ -74,7 +91,7 @@ def main() -> int:
     def views() -> list[list[tuple[str, torch.Tensor]]]:
         out = []
         for (lo, hi), flat in zip(ranges, flats, strict=True):
-            _, vs = unpack_bucket(dtypes[lo:hi], shapes[lo:hi], flat=flat)
+            vs = bucket_views(flat, dtypes[lo:hi], shapes[lo:hi])
             out.append(list(zip(names[lo:hi], vs, strict=True)))
         return out
 
@@ -143,17 +160,17 @@ def main() -> int:
     @torch.inference_mode()
     def foreach_bytes() -> None:
         for (lo, hi), f in zip(ranges, flats, strict=True):
-            pieces = list(f.split(byte_splits(dtypes[lo:hi], shapes[lo:hi]))[1::2])
+            pieces = list(f.split(_byte_splits(dtypes[lo:hi], shapes[lo:hi]))[1::2])
             torch._foreach_copy_([raw_dst[n] for n in names[lo:hi]], pieces)
 
     @torch.inference_mode()
-    def foreach_words() -> None:  # the hf engine's _copy_flats
+    def foreach_words() -> None:
         for (lo, hi), f in zip(ranges, flats, strict=True):
-            size, words = word_views(f, dtypes[lo:hi], shapes[lo:hi])
+            size, words = _word_views(f, dtypes[lo:hi], shapes[lo:hi])
             assert size == 8
             torch._foreach_copy_([word_dst[n] for n in names[lo:hi]], words)
 
-    kept_words = [word_views(f, dtypes[lo:hi], shapes[lo:hi])[1] for (lo, hi), f in zip(ranges, flats, strict=True)]
+    kept_words = [_word_views(f, dtypes[lo:hi], shapes[lo:hi])[1] for (lo, hi), f in zip(ranges, flats, strict=True)]
 
     @torch.inference_mode()
     def foreach_words_kept() -> None:

@@ -1,45 +1,31 @@
 #!/usr/bin/env python3
-"""Benchmark (issue 10): weight sync of a ~1.5B-parameter bf16 model from a ZeRO-3 trainer on
-2 GPUs to rollout daemons, against raw transfers of the same bytes measured in the same run.
+"""Benchmark (issues 10, 30, 31): weight sync of a ~1.5B-parameter bf16 model from a ZeRO-3
+trainer to rollout daemons, against raw transfers of the same bytes measured in the same run.
 
 Under ``torchrun --nproc_per_node 2`` on a 2-GPU machine. Rank 0 writes a Qwen2-shaped model
 (random init from a config, no download; seed 0) and starts two ``treadle-rollout serve``
-daemons (hf backend, bf16, one engine each): "nccl" on GPU 1 and "ipc" on GPU 0 (rank 0's),
+daemons (``--backend``, bf16, one engine each): "nccl" on GPU 1 and "ipc" on GPU 0 (rank 0's),
 plus two raw receivers (this file, ``--raw nccl|ipc``) on the same GPUs. Every rank builds a
-trainer model from the same config (seed 1), wrapped in a ZeRO-3 DeepSpeed engine (treadle's
-``ds_config``, no optimizer: only the weights matter here). Then:
+trainer model from the same config (seed 1), wrapped in a ZeRO-3 DeepSpeed engine. Then:
 
 1. correctness: sync bucketed to both daemons (``WeightSender``: collective over NCCL, and
-   cuda_ipc), compare each daemon's weight digest with the trainer's (``full_state_dict``);
-   change one tensor, sync per tensor, compare again; compare prompt logprobs;
+   cuda_ipc), compare each daemon's weight digest with the trainer's (``full_state_dict``; the
+   hf backend) and its prompt logprobs with the trainer's; change one tensor, sync per tensor,
+   compare again;
 2. timing, one warm-up round then ``--repeats`` rounds (order reversed every other round) of:
    ``raw_nccl`` (a plain ``WeightGroup`` broadcast of the same bytes in the same buckets to the
    raw receiver on GPU 1, until it acknowledged), ``raw_ipc`` (the raw receiver on GPU 0 maps
    the same buckets with ``open_handles`` and copies them into its own buffer, until it
-   acknowledged), ``gather`` (the ZeRO-3 gathers alone, bucket by bucket, both ranks, to rank 0
-   as the sender does them; ``gather_all``: as all-gathers with every full tensor assembled)
-   and ``gather_pack`` (+ packing on rank 0, as the sender does it), ``nccl`` and ``ipc`` (a full ``WeightSender.sync``:
+   acknowledged), ``gather`` (the ZeRO-3 gathers alone, as the sender walks them) and
+   ``gather_pack`` (+ packing on rank 0), ``nccl`` and ``ipc`` (a full ``WeightSender.sync``:
    gather, pack, transfer, the engine's load, the daemon's answer), each bucketed
-   (``--bucket-mb``) and per tensor; ``nccl_peer`` (the sender's default: rank 0 reads rank 1's
-   partitions over CUDA IPC, ``peer_reads``; ``nccl`` is the same sender with NCCL gathers),
-   its variants ``nccl_peer_direct`` (packed straight from the peers' mapped memory),
-   ``nccl_peer_ramp`` (ramped buckets, ``RAMP``), both, ``nccl_peer_arm`` (armed engines) and all
-   three (once the fill before the first broadcast is short, the daemon's acceptance, which
-   arming skips, is what the broadcasts wait for),
-   and ``pull_pack`` / ``pull_pack_direct`` (those reads + packing alone), bucketed. The raw
-   transfers and ``gather*`` / ``pull_pack*`` use full buckets in the model's order.
+   (``--bucket-mb``) and per tensor.
 
-With ``--nproc_per_node 1`` on one GPU (a 1-rank trainer: nothing crosses NVLink) it runs the
-cuda_ipc path alone: the "ipc" daemon and raw receiver on GPU 0, the gathers, ``raw_ipc``,
-``ipc`` (the engine reads the trainer's partitions in place: at one rank they are the whole
-tensors; its header left out once the engine keeps it), ``ipc_whole`` (the same with the whole
-header every time) and ``ipc_packed`` (packed buckets, as at two ranks).
-
-Medians are reported with the ratios the issue sets goals for (NCCL path <= 1.3x raw NCCL, IPC
-path <= 1.5x raw IPC) and the same ratios for the transfer part alone (``send_s``: rank 0's
-broadcasts, or the cuda_ipc request until the daemon answered). ``--cpu`` is a dry run on CPU
-(tiny shape, gloo, one daemon, no IPC); with ``--layers 28`` it has the 1.5B's 338 tensors at
-tiny widths, which measures the per-sync host overhead. Rank 1 waits on CPU (gloo) barriers.
+With ``--nproc_per_node 1`` on one GPU it runs the cuda_ipc path alone (the "ipc" daemon and raw
+receiver on GPU 0). ``--backend vllm`` serves the daemons with vLLM (its digests are not
+comparable with the trainer's: logprobs are). Medians are reported with the ratios the issues
+set goals for (NCCL path <= 1.3x raw NCCL, IPC path <= 1.5x raw IPC). ``--cpu`` is a dry run on
+CPU (tiny shape, gloo, one daemon, no IPC). Rank 1 waits on CPU (gloo) barriers.
 
     NCCL_NVLS_ENABLE=0 torchrun --standalone --nproc_per_node 2 tools/bench/bench_gpu_weight_sync.py \\
         --json bench_gpu_weight_sync.json
@@ -68,7 +54,6 @@ import torch.distributed as dist
 ROOT = Path(__file__).resolve().parents[2]
 
 PROBE = list(range(5, 69))
-RAMP = 4  # the ``_ramp`` syncs' SenderConfig.ramp: a 16 MiB first bucket at --bucket-mb 256
 SHAPE_1P5B = dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
                   num_key_value_heads=2, vocab_size=151936)  # Qwen2.5-1.5B's shape
 SHAPE_TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -107,8 +92,9 @@ def raw_receiver(kind: str, ctl_port: int) -> None:
     """Receive what rank 0's raw ops send, op by op as ``plan`` lists them; acknowledge each."""
     import msgpack
 
-    from treadle.rollout.engine.group import GroupSpec, WeightGroup
-    from treadle.rollout.engine.ipc import open_handles
+    from treadle.common.ipc import open_handles
+    from treadle.common.records import WeightGroupSpec
+    from treadle.common.weights import WeightGroup
 
     store = dist.TCPStore("127.0.0.1", ctl_port, is_master=False, timeout=datetime.timedelta(seconds=900))
     plan = json.loads(store.get("plan"))
@@ -116,8 +102,8 @@ def raw_receiver(kind: str, ctl_port: int) -> None:
     dst = {k: torch.empty(sum(v), dtype=torch.uint8, device=device) for k, v in plan["layouts"].items()}
     views = {k: [dst[k][o:o + n] for o, n in spans(v)] for k, v in plan["layouts"].items()}
     if kind == "nccl":
-        group = WeightGroup(GroupSpec(host="127.0.0.1", port=plan["group_port"], world_size=2, rank=1,
-                                      backend=plan["backend"]))
+        group = WeightGroup(WeightGroupSpec(host="127.0.0.1", port=plan["group_port"], world_size=2, rank=1,
+                                            backend=plan["backend"]))
         ack = torch.ones(1, device=device)
         for k, layout in enumerate(plan["nccl"]):
             store.get(f"go{k}")  # post nothing (no spinning NCCL kernel) before rank 0 sends
@@ -148,15 +134,14 @@ def spawn(cmd: list[str], gpu: int | None) -> subprocess.Popen:
     return subprocess.Popen(cmd, env=env, start_new_session=True, stdin=subprocess.DEVNULL)
 
 
-def start_daemon(model: Path, gpu: int | None, cpus: str) -> tuple[subprocess.Popen, str]:
+def start_daemon(model: Path, gpu: int | None, cpus: str, backend: str) -> tuple[subprocess.Popen, str]:
     endpoint = f"tcp://127.0.0.1:{free_port()}"
     cmd = [sys.executable, "-m", "treadle.rollout", "serve", "--endpoint", endpoint, "--model", str(model),
-           "--backend", "hf", "--engines", "1", "--engine.dtype", "bfloat16", "--engine.max_model_len", "512",
-           "--health_interval_s", "1", "--cpus", *cpus.split(",")]
-    if gpu is None:  # gloo: no keeper in the group (the engines alone, as over NCCL), so it can be armed
-        cmd.append("--no_keep_weights")
+           "--backend", backend, "--engines", "1", "--engine.dtype", "bfloat16", "--engine.max_model_len", "512",
+           "--health_interval_s", "1", "--cpus", *cpus.split(","), "--no_keep_weights"]
     if gpu is not None:
-        cmd += ["--gpu_ids", str(gpu), "--engine.device", "cuda"]
+        cmd += ["--gpu_ids", str(gpu)]
+        cmd += ["--engine.device", "cuda"] if backend == "hf" else ["--engine.gpu_memory_utilization", "0.3"]
     return spawn(cmd, None), endpoint
 
 
@@ -195,8 +180,9 @@ class Bench:
     """The measurements, run in lockstep on every rank (rank 0 alone talks to the others)."""
 
     def __init__(self, a: argparse.Namespace, engine, cfg, main: bool, device: torch.device) -> None:  # noqa: ANN001
-        from treadle.rollout.engine.weights import plan_buckets
-        from treadle.trainer.weights.gather import Kept, bucket_bytes, plan
+        from treadle.common.weights import plan_buckets
+        from treadle.trainer.weights.gather import bucket_bytes
+        from treadle.trainer.weights.plan import plan
 
         self.a, self.engine, self.cfg, self.main, self.device = a, engine, cfg, main, device
         self.cpu_group = dist.new_group(backend="gloo") if device.type == "cuda" else None
@@ -213,8 +199,6 @@ class Bench:
             self.layout_bytes[name] = out
         self.versions = {"nccl": 0, "ipc": 0}  # per daemon
         self.raw_k = {"nccl": 0, "ipc": 0}
-        self.peers = None  # GPU: a PeerReads for the pull_pack op
-        self.kept = Kept()  # the grids and views the sender keeps between syncs, for gather_pack
 
     def barrier(self) -> None:
         dist.barrier(group=self.cpu_group)
@@ -223,34 +207,18 @@ class Bench:
         if self.device.type == "cuda":
             torch.cuda.synchronize()
 
-    # -- gathering
-
-    def gather(self, layout: str, buffer: torch.Tensor | None, to_main: bool = True, peers=None) -> float:  # noqa: ANN001
-        """ZeRO-3 gathers of every bucket as the sender does them (``packed``: one gather to rank 0
-        a bucket, or with ``peers`` rank 0's own reads of the other ranks' partitions; with
-        ``buffer``, rank 0 scatters each into its place there) or, ``to_main`` False, as
-        all-gathers with every full tensor assembled on every rank (``gathered``); seconds."""
-        from treadle.rollout.engine.weights import bucket_ranges
-        from treadle.trainer.weights.gather import gathered, pack, packed, prepare_pulls
+    def gather(self, layout: str, buffer: torch.Tensor | None) -> float:
+        """The sender's walk of every bucket (ZeRO-3 gathers); with ``buffer``, rank 0 packs each
+        into its place there; seconds."""
+        from treadle.trainer.weights.gather import pack, walk
 
         self.barrier()
         self.sync_device()
-        start, offsets = time.perf_counter(), {}
-        for (lo, _), off in zip(bucket_ranges(self.sizes[layout], len(self.items)),
-                                [o for o, _ in spans(self.layout_bytes[layout])], strict=True):
-            offsets[lo] = off
-        if to_main:
-            def dest(lo: int, hi: int) -> torch.Tensor | None:
-                return buffer[offsets[lo]:] if buffer is not None and self.main else None
-
-            pull = peers is not None and prepare_pulls(self.items, self.sizes[layout], peers, zero3=True, main=self.main)
-            for _ in packed(self.items, self.sizes[layout], dest, zero3=True, main=self.main,
-                            peers=peers if pull else None, kept=self.kept if buffer is not None else None):
-                pass
-        else:
-            for lo, hi in gathered(self.items, self.sizes[layout], zero3=True):
-                if buffer is not None and self.main:
-                    pack(self.items[lo:hi], buffer[offsets[lo]:])
+        start = time.perf_counter()
+        for (lo, hi), (off, _) in zip(walk(self.items, self.sizes[layout], zero3=True),
+                                      spans(self.layout_bytes[layout]), strict=True):
+            if buffer is not None and self.main:
+                pack(self.items[lo:hi], buffer[off:])
         self.sync_device()
         return time.perf_counter() - start
 
@@ -273,41 +241,18 @@ class Bench:
                 with torch.no_grad():
                     p.ds_tensor.add_(0.125)
 
-    def overwrite(self) -> None:
-        """Write every partition at once (as an optimizer step would), on the current stream."""
-        with torch.no_grad():
-            for p in self.engine.module.parameters():
-                p.ds_tensor.mul_(0.5)
-
-    # -- a treadle sync
-
-    def sync(self, sender, name: str, layout: str) -> dict:  # noqa: ANN001
-        """``name``: the daemon, with ``_peer`` the same sender with peer reads on (rank 0 reads
-        rank 1's partitions over CUDA IPC instead of NCCL gathers), with ``_arm`` armed first
-        (``WeightSender.arm``), with ``_packed`` a cuda_ipc sync that packs its buckets even where
-        the engine could read the trainer's partitions in place (``SenderConfig.ipc_in_place``, the
-        default: at one rank), with ``_direct`` the peers' memory packed from directly
-        (``PeerReads.direct``), with ``_ramp`` ramped buckets (``SenderConfig.ramp = RAMP``), with
-        ``_whole`` a cuda_ipc sync that sends its whole header every time (``header_reuse`` off).
-        Every sync starts after ``--idle-ms`` of quiet (as after training)."""
-        daemon, flags = name.split("_")[0], name.split("_")[1:]
-        sender.config = dataclasses.replace(sender.config, bucket_bytes=self.bucket_bytes[layout],
-                                            peer_reads="peer" in flags, arm="arm" in flags,
-                                            ipc_in_place="packed" not in flags, header_reuse="whole" not in flags,
-                                            ramp=RAMP if "ramp" in flags else type(sender.config)().ramp)
-        if sender._peers is not None:  # made at the first peer-read sync
-            sender._peers.direct = "direct" in flags
+    def sync(self, sender, daemon: str, layout: str) -> dict:  # noqa: ANN001
+        """One ``WeightSender.sync`` to ``daemon`` after ``--idle-ms`` of quiet (as after training)."""
+        sender.config = dataclasses.replace(sender.config, bucket_bytes=self.bucket_bytes[layout])
         self.versions[daemon] += 1
-        sender.arm(self.versions[daemon])  # a no-op unless armed
         time.sleep(self.a.idle_ms / 1e3)
         self.barrier()
         start = time.perf_counter()
         r = sender.sync(self.versions[daemon])
-        self.sync_device()  # until the engine's copies are done: an early answer (ipc_event) leaves them running
+        self.sync_device()
         stamps = next(iter(r.engine_seconds.values()), {})  # one engine: when the update reached it, ...
         return {"s": time.perf_counter() - start, "gather_s": r.gather_seconds, "send_s": r.send_seconds,
-                "accept_s": r.accept_seconds, "answer_s": r.answer_seconds, "buckets": r.buckets,
-                **{f"engine_{k}_s": v for k, v in stamps.items()}, **{f"trainer_{k}_s": v for k, v in r.stamps.items()}}
+                "buckets": r.buckets, **{f"engine_{k}_s": v for k, v in stamps.items()}}
 
     # -- raw transfers (rank 0 and a raw receiver; the other ranks wait)
 
@@ -323,14 +268,14 @@ class Bench:
         start = time.perf_counter()
         for o, n in spans(self.layout_bytes[layout]):
             group.broadcast(src[layout][o:o + n])
-        group.broadcast(ack, src=1)
+        group.broadcast(ack, src=1)  # the receiver's acknowledgement
         self.sync_device()
         return {"s": time.perf_counter() - start, "ack": float(ack.item())}
 
     def raw_ipc(self, layout: str, store, src: dict) -> dict | None:  # noqa: ANN001
         import msgpack
 
-        from treadle.rollout.engine.ipc import encode_buckets
+        from treadle.common.ipc import encode_buckets
 
         self.barrier()
         if not self.main:
@@ -344,18 +289,11 @@ class Bench:
 
 
 def schedule(repeats: int, ipc: bool, nccl: bool = True) -> list[list[tuple[str, str]]]:
-    """Rounds of (op, layout); round 0 is the warm-up; every other round runs reversed. The
-    ``_peer``, ``_arm``, ``_ramp`` and ``_whole`` syncs and ``pull_pack*`` run bucketed only. Without
+    """Rounds of (op, layout); round 0 is the warm-up; every other round runs reversed. Without
     ``nccl`` (a 1-rank trainer on one GPU): the gathers, raw IPC and the cuda_ipc sync alone."""
-    if not nccl:
-        ops = ["gather_all", "gather", "gather_pack", "raw_ipc", "ipc", "ipc_whole", "ipc_packed"]
-    else:
-        ops = ["raw_nccl", "gather_all", "gather", "gather_pack", "nccl"] + (
-            ["pull_pack", "pull_pack_direct", "nccl_peer", "nccl_peer_direct", "nccl_peer_ramp", "nccl_peer_direct_ramp",
-             "nccl_peer_arm", "nccl_peer_direct_ramp_arm", "raw_ipc", "ipc"] if ipc else ["nccl_ramp", "nccl_arm"])
-    one = [(op, layout) for op in ops for layout in LAYOUTS
-           if layout == "bucketed" or not ("_peer" in op or "_arm" in op or "_ramp" in op or "_whole" in op
-                                           or op.startswith("pull_pack"))]
+    ops = (["raw_nccl", "gather", "gather_pack", "nccl"] if nccl else ["gather", "gather_pack"]) + (
+        ["raw_ipc", "ipc"] if ipc else [])
+    one = [(op, layout) for op in ops for layout in LAYOUTS]
     return [one if r % 2 == 0 else one[::-1] for r in range(repeats + 1)]
 
 
@@ -377,41 +315,24 @@ def write_model(shape: dict, folder: Path, device: torch.device) -> None:
 
 
 def correctness(bench: Bench, senders: dict, clients: dict) -> dict:
-    """Bucketed then (after changing one tensor) per-tensor syncs, each by NCCL gathers and (GPU)
-    by peer reads: digests after each, then logprobs."""
+    """Bucketed then (after changing one tensor) per-tensor syncs to each daemon: digests after
+    each (the hf backend), then logprobs."""
     out: dict = {}
     for layout in LAYOUTS:
         if layout == "per_tensor":
             bench.perturb()
         want = bench.digest()
-        for transport, sender in senders.items():
-            peer = bench.peers is not None and transport == "nccl"  # the cuda_ipc transport always gathers
-            packed = transport == "ipc" and bench.peers is None  # one rank: in place (the default), packed
-            for name in (transport, *((f"{transport}_peer",) if peer else ()), *(("ipc_packed",) if packed else ())):
-                r = bench.sync(sender, name, layout)
-                if bench.main:
-                    got = list(clients[transport].weight_digest().values())
-                    out[f"{name}_{layout}"] = {"digest_ok": got == [want], "first_sync_s": r["s"],
-                                               "buckets": r["buckets"]}
-    if "ipc" in senders and bench.peers is None:  # in place, then the engine's kept mapping (ipc_keep) read again,
-        # then once more with every parameter written as soon as the sync returns: the engine answered
-        # before its copies finished (ipc_event), so only the wait on its event keeps them from reading that
-        for step in ("mapped", "kept", "raced"):
-            bench.perturb()
-            want = bench.digest()
-            if step == "raced":
-                senders["ipc"].sync(bench.versions["ipc"] + 1)
-                bench.versions["ipc"] += 1
-                bench.overwrite()
-            else:
-                bench.sync(senders["ipc"], "ipc", "bucketed")
+        for name, sender in senders.items():
+            r = bench.sync(sender, name, layout)
             if bench.main:
-                out[f"ipc_in_place_{step}"] = {"digest_ok": list(clients["ipc"].weight_digest().values()) == [want]}
-        bench.sync(senders["ipc"], "ipc", "bucketed")  # the engine holds the trainer's weights again
+                row = {"first_sync_s": r["s"], "buckets": r["buckets"]}
+                if bench.a.backend == "hf":
+                    row["digest_ok"] = list(clients[name].weight_digest().values()) == [want]
+                out[f"{name}_{layout}"] = row
     mine = bench.own_logprobs()
-    for transport, client in clients.items():
+    for name, client in clients.items():
         got = torch.tensor(client.prompt_logprobs(torch.as_tensor(PROBE).numpy()).copy(), dtype=torch.float64)
-        out[f"{transport}_logprob_gap"] = float((got - mine).abs().max())
+        out[f"{name}_logprob_gap"] = float((got - mine).abs().max())
     return out
 
 
@@ -422,10 +343,9 @@ def summarise(rows: list[dict], bench: Bench) -> dict:
         med[f"{key[0]}/{key[1]}"] = {k: statistics.median(r[k] for r in sel if k in r)
                                      for k in sel[0] if k.endswith("_s") or k == "s"}
     ratios = {}
-    syncs = sorted({r["op"] for r in rows if r["op"].split("_")[0] in ("nccl", "ipc")})  # every WeightSender.sync op
-    for t in syncs:
+    for t in ("nccl", "ipc"):
         for layout in LAYOUTS:
-            e2e, raw = med.get(f"{t}/{layout}"), med.get(f"raw_{t.split('_')[0]}/{layout}")
+            e2e, raw = med.get(f"{t}/{layout}"), med.get(f"raw_{t}/{layout}")
             if e2e is None or raw is None:
                 continue
             floor = med[f"gather_pack/{layout}"]["s"] + raw["s"]
@@ -445,79 +365,21 @@ def timing(bench: Bench, senders: dict, group, store, src: dict) -> list[dict]: 
                 res = bench.raw_nccl(layout, group, store, src)
             elif op == "raw_ipc":
                 res = bench.raw_ipc(layout, store, src)
-            elif op in ("gather", "gather_pack", "gather_all", "pull_pack", "pull_pack_direct"):
-                if bench.peers is not None:
-                    bench.peers.direct = op == "pull_pack_direct"
-                res = {"s": bench.gather(layout, src[layout] if "_pack" in op and bench.main else None,
-                                         to_main=op != "gather_all", peers=bench.peers if op.startswith("pull") else None)}
+            elif op in ("gather", "gather_pack"):
+                res = {"s": bench.gather(layout, src[layout] if op == "gather_pack" and bench.main else None)}
             else:
-                res = bench.sync(senders[op.split("_")[0]], op, layout)
+                res = bench.sync(senders[op], op, layout)
             if bench.main and r > 0:
                 rows.append({"round": r, "op": op, "layout": layout, **res})
     return rows
 
 
-def profile(bench: Bench, senders: dict, src: dict, folder: Path, rank: int) -> None:
-    """Each rank: one more bucketed gather (both kinds), gather + pack and sync of each transport
-    under torch.profiler; kernel times summed by name and a Chrome trace per rank in ``folder``."""
-    from torch.profiler import ProfilerActivity, record_function
-    from torch.profiler import profile as torch_profile
-
-    folder.mkdir(parents=True, exist_ok=True)
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if bench.device.type == "cuda" else [])
-    with torch_profile(activities=acts) as prof:
-        syncs = [*senders, *(("nccl_peer",) if bench.peers else ())]
-        for op in ("gather_all", "gather", "gather_pack", *(("pull_pack",) if bench.peers else ()), *syncs):
-            with record_function(f"bench/{op}"):
-                if op in syncs:
-                    bench.sync(senders[op.split("_")[0]], op, "bucketed")
-                else:
-                    bench.gather("bucketed", src["bucketed"] if op.endswith("_pack") and bench.main else None,
-                                 to_main=op != "gather_all", peers=bench.peers if op == "pull_pack" else None)
-    sort = "cuda_time_total" if bench.device.type == "cuda" else "cpu_time_total"
-    (folder / f"prof_rank{rank}.txt").write_text(prof.key_averages().table(sort_by=sort, row_limit=40))
-    prof.export_chrome_trace(str(folder / f"trace_rank{rank}.json"))
-
-
-HOST_OPS = ("gather_pack", "pull_pack", "nccl", "nccl_peer", "ipc")
-
-
-def host_profile(bench: Bench, senders: dict, src: dict, folder: Path, rounds: int = 5) -> None:
-    """Rank 0's host time: ``rounds`` more bucketed runs of each op in ``HOST_OPS`` under
-    cProfile (every rank runs them, rank 0 profiles), the functions sorted by own time and by
-    cumulative time in ``folder/host_<op>.txt``."""
-    import cProfile
-    import io
-    import pstats
-
-    folder.mkdir(parents=True, exist_ok=True)
-    for op in HOST_OPS:
-        if op in ("pull_pack", "nccl_peer") and bench.peers is None or op in ("nccl", "ipc") and op not in senders:
-            continue
-        prof = cProfile.Profile()
-        for _ in range(rounds):
-            if bench.main:
-                prof.enable()
-            if op.endswith("_pack"):
-                bench.gather("bucketed", src["bucketed"] if bench.main else None,
-                             peers=bench.peers if op == "pull_pack" else None)
-            else:
-                bench.sync(senders[op.split("_")[0]], op, "bucketed")
-            prof.disable()
-        if bench.main:
-            out = io.StringIO()
-            for key in ("tottime", "cumulative"):
-                pstats.Stats(prof, stream=out).sort_stats(key).print_stats(35)
-            (folder / f"host_{op}.txt").write_text(out.getvalue())
-
-
 def run(a: argparse.Namespace) -> dict | None:
+    from treadle.common.records import WeightGroupSpec
+    from treadle.common.weights import WeightGroup
     from treadle.rollout.client import SyncRolloutClient
-    from treadle.rollout.engine.group import GroupSpec, WeightGroup
     from treadle.trainer.strategy.deepspeed import init_distributed
-    from treadle.trainer.weights.peers import PeerReads
     from treadle.trainer.weights.sender import SenderConfig, WeightSender
-    from treadle.trainer.weights.transfer import outcome_group
 
     info = init_distributed()
     main, device, gpu = info.is_main, info.device, info.device.type == "cuda"
@@ -534,9 +396,10 @@ def run(a: argparse.Namespace) -> dict | None:
                                   timeout=datetime.timedelta(seconds=900))
             daemons = {}
             if nccl:
-                daemons["nccl"] = start_daemon(Path(a.workdir) / "model", 1 if gpu else None, "16,17,18,19" if gpu else "1")
+                daemons["nccl"] = start_daemon(Path(a.workdir) / "model", 1 if gpu else None,
+                                               "12,13" if gpu else "1", a.backend)
             if gpu:
-                daemons["ipc"] = start_daemon(Path(a.workdir) / "model", 0, "20,21,22,23")
+                daemons["ipc"] = start_daemon(Path(a.workdir) / "model", 0, "14,15", a.backend)
             procs += [p for p, _ in daemons.values()]
             for kind in raws:
                 procs.append(spawn([sys.executable, __file__, "--raw", kind, "--ctl-port", str(ctl_port)],
@@ -547,15 +410,15 @@ def run(a: argparse.Namespace) -> dict | None:
         if main:
             for name, (_, endpoint) in daemons.items():
                 clients[name] = SyncRolloutClient(endpoint)
-                clients[name].wait_ready(600)
+                clients[name].wait_ready(900)
             seq = [layout for rnd in schedule(a.repeats, gpu, nccl) for op, layout in rnd]
             ops = [op for rnd in schedule(a.repeats, gpu, nccl) for op, _ in rnd]
             store.set("plan", json.dumps({"backend": backend, "group_port": group_port, "layouts": bench.layout_bytes,
                                           "nccl": [s for s, o in zip(seq, ops, strict=True) if o == "raw_nccl"],
                                           "ipc": [s for s, o in zip(seq, ops, strict=True) if o == "raw_ipc"]}))
             if nccl:
-                group = WeightGroup(GroupSpec(host="127.0.0.1", port=group_port, world_size=2, rank=0,
-                                              backend=backend))
+                group = WeightGroup(WeightGroupSpec(host="127.0.0.1", port=group_port, world_size=2, rank=0,
+                                                    backend=backend))
         ready_s = time.perf_counter() - started
         bucket = int(a.bucket_mb * (1 << 20))
         if nccl:
@@ -566,22 +429,17 @@ def run(a: argparse.Namespace) -> dict | None:
             senders["ipc"] = WeightSender(engine, config=SenderConfig(transport="cuda_ipc", bucket_bytes=bucket,
                                                                       dtype="bfloat16"),
                                           client=clients.get("ipc"), zero_stage=3, is_main=main)
-            bench.peers = PeerReads(outcome_group()) if info.world > 1 else None
-        checks = correctness(bench, {k: senders[k] for k in ("nccl", "ipc") if k in senders}, clients if main else {})
+        checks = correctness(bench, senders, clients if main else {})
         src = {k: torch.empty(sum(v), dtype=torch.uint8, device=device) if main else None
                for k, v in bench.layout_bytes.items()}
         for layout in LAYOUTS:
             bench.gather(layout, src[layout])
         rows = timing(bench, senders, group, store, src)
-        if a.profile:
-            profile(bench, senders, src, Path(a.profile), info.rank)
-        if a.host_profile:
-            host_profile(bench, senders, src, Path(a.host_profile))
         if not main:
             return None
         return {"shape": shape, "world": info.world, "device": torch.cuda.get_device_name(0) if gpu else "cpu",
-                "torch": torch.__version__, "bucket_mb": a.bucket_mb, "repeats": a.repeats, "setup_s": ready_s,
-                "correctness": checks, **summarise(rows, bench), "rows": rows}
+                "torch": torch.__version__, "backend": a.backend, "bucket_mb": a.bucket_mb, "repeats": a.repeats,
+                "setup_s": ready_s, "correctness": checks, **summarise(rows, bench), "rows": rows}
     finally:
         for s in senders.values():
             s.close()
@@ -599,16 +457,14 @@ def run(a: argparse.Namespace) -> dict | None:
 def report_lines(res: dict) -> list[str]:
     lines = [f"{res['tensors']} tensors, {res['bytes'] / 1e9:.2f} GB bf16, buckets {res['buckets']}",
              f"correctness: {json.dumps(res['correctness'])}",
-             f"{'op/layout (median ms)':<24}{'total':>10}{'gather':>10}{'send':>10}{'accept':>10}{'answer':>10}"
-             "   the update's stamps, ms into the sync (sent: the client sent it direct; received: it reached the front end)"]
+             f"{'op/layout (median ms)':<24}{'total':>10}{'gather':>10}{'send':>10}"
+             "   the engine's stamps, ms into the sync"]
     for k in sorted(res["medians_s"]):
         m = res["medians_s"][k]
-        engine = [(f, m[f"trainer_{f}_s"]) for f in ("planned", "placed", "headed") if f"trainer_{f}_s" in m]
-        engine += [(f, m[f"engine_{f}_s"]) for f in ("begun", "sent", "received", "signalled", "called", "loading", "mapped",
-                                                     "copying", "copied", "loaded", "done")
+        engine = [(f, m[f"engine_{f}_s"]) for f in ("received", "called", "loading", "loaded", "done")
                   if f"engine_{f}_s" in m]
         lines.append(f"{k:<24}" + "".join(f"{m.get(f, 0) * 1e3:>10.1f}"
-                                           for f in ("s", "gather_s", "send_s", "accept_s", "answer_s"))
+                                           for f in ("s", "gather_s", "send_s"))
                      + ("   " + ", ".join(f"{f} {t * 1e3:.1f}" for f, t in engine) if engine else ""))
     for k, r in res["ratios"].items():
         lines.append(f"{k}: end-to-end/raw {r['end_to_end_vs_raw']:.2f}x, transfer/raw {r['transfer_vs_raw']:.2f}x, "
@@ -627,9 +483,7 @@ def main() -> int:
     p.add_argument("--idle-ms", type=float, default=50.0, help="quiet before each sync (as after training), ms")
     p.add_argument("--workdir", default="/tmp/treadle_bench_gpu_ws")
     p.add_argument("--json", default="")
-    p.add_argument("--profile", default="", help="folder: profile one more round of each bucketed op there")
-    p.add_argument("--host-profile", default="", help="folder: rank 0's host time of 5 more runs of each "
-                   "bucketed op under cProfile there")
+    p.add_argument("--backend", choices=("hf", "vllm"), default="hf", help="the daemons' engine backend")
     p.add_argument("--raw", choices=("nccl", "ipc"), help=argparse.SUPPRESS)
     p.add_argument("--ctl-port", type=int, default=0, help=argparse.SUPPRESS)
     a = p.parse_args()

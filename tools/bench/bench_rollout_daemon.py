@@ -270,13 +270,26 @@ async def bench_openai(model: Path, args: Args, reqs: list[Any]) -> None:
               flush=True)
 
 
+def send_buckets(group, tensors, sizes) -> None:  # noqa: ANN001
+    """The sender's side, as the trainer's collective transport does it: pack each bucket
+    (``new_bucket`` + one ``_foreach_copy_``), broadcast it."""
+    import torch
+
+    from treadle.common.weights import bucket_ranges, new_bucket
+
+    for lo, hi in bucket_ranges(sizes, len(tensors)):
+        ts = tensors[lo:hi]
+        flat, views = new_bucket([str(t.dtype).removeprefix("torch.") for t in ts], [t.shape for t in ts])
+        torch._foreach_copy_(views, ts)
+        group.broadcast(flat)
+
+
 async def bench_weights(model: Path, args: Args) -> None:
     import torch
     from safetensors.torch import load_file
 
-    from treadle.common.records import WeightUpdate
-    from treadle.rollout.engine.group import GroupSpec, WeightGroup, send_buckets
-    from treadle.rollout.engine.weights import plan_buckets
+    from treadle.common.records import CollectiveWeights, InlineWeights
+    from treadle.common.weights import WeightGroup, plan_buckets
 
     base = {k: v for f in sorted(model.glob("*.safetensors")) for k, v in load_file(str(f)).items()}
     g = torch.Generator().manual_seed(0)
@@ -289,8 +302,8 @@ async def bench_weights(model: Path, args: Args) -> None:
           f"{len(names)} tensors, {mb:.1f} MB; {len(bucketed)} buckets of <= {args.bucket_mb:g} MB", flush=True)
     async with Daemon(model, args, ["--engines", "1"]) as d:
         rc = d.client
-        _, group = await rc.join_weight_group("127.0.0.1", free_port(), timeout_s=120,
-                                              sender=lambda spec: WeightGroup(GroupSpec.from_dict(spec)))
+        _, group = await rc.join_weight_group("127.0.0.1", free_port(), backend="gloo", timeout_s=120,
+                                              sender=WeightGroup)
         version = 0
         times: dict[str, list[float]] = {"collective bucketed": [], "collective per tensor": [], "inline": []}
         for i in range(args.repeats + 1):
@@ -302,9 +315,9 @@ async def bench_weights(model: Path, args: Args) -> None:
                               shapes=[list(t.shape) for t in tensors])
                 t0 = time.perf_counter()
                 if sizes is None:
-                    await rc.update_weights(WeightUpdate(**header, tensors=tensors))
+                    await rc.update_weights(InlineWeights(**header, tensors=tensors))
                 else:
-                    await rc.update_weights(WeightUpdate(**header, transport="collective", bucket_sizes=sizes),
+                    await rc.update_weights(CollectiveWeights(**header, bucket_sizes=sizes, group=group.spec),
                                             send=lambda s=sizes, ts=tensors: send_buckets(group, ts, s))
                 if i:  # the first round warms up
                     times[variant].append(time.perf_counter() - t0)

@@ -13,11 +13,7 @@ with ``--serve``), median and 90th percentile of ``--rounds``:
 - ``relay``: ``rpc_thread`` to a server whose handler calls a second echo server (as the front
   end relays an update to its engine worker);
 - ``two_calls``: ``rpc_thread``'s call made twice, one after the other (what a relay's two hops
-  would cost without the relay's own work);
-- ``header``: ``rpc_thread`` carrying an in-place cuda_ipc ``WeightUpdate`` of the 1.5B model's
-  338 tensors (names, shapes, places: ~24 KB), which the server decodes, and ``header_kept``:
-  the same update with its header left out (``WeightUpdate.header_kept``), as a direct update
-  goes to an engine that keeps the header.
+  would cost without the relay's own work).
 
     .venv/bin/python tools/bench/bench_rpc_hops.py --rounds 40 --idle-ms 50
 
@@ -29,7 +25,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
 import statistics
 import subprocess
 import sys
@@ -68,10 +63,7 @@ def _serve(kind: str, endpoint: str, next_endpoint: str) -> None:
         async def halt(msg, ctx):  # noqa: ANN001, ANN202
             asyncio.get_running_loop().call_later(0.05, stop.set)
 
-        async def update(msg, ctx):  # noqa: ANN001, ANN202  (decoded and checked by the record)
-            return Control(op="update_weights", args={"version": msg.version})
-
-        server = RpcServer(name=kind, endpoint=endpoint, handlers={"echo": echo, "stop": halt, "update": update})
+        server = RpcServer(name=kind, endpoint=endpoint, handlers={"echo": echo, "stop": halt})
         await server.start()
         await stop.wait()
         await server.close(grace_s=0.5)
@@ -80,33 +72,6 @@ def _serve(kind: str, endpoint: str, next_endpoint: str) -> None:
 
     loop = new_event_loop()
     loop.run_until_complete(main())
-
-
-def _in_place_update():  # noqa: ANN202
-    """An in-place cuda_ipc update as the sender makes one for the 1.5B model (Qwen2, 28 layers:
-    338 tensors in one storage, a stand-in handle): its header is what is measured."""
-    from treadle.common.records import WeightUpdate
-
-    names, shapes = ["model.embed_tokens.weight"], [[151936, 1536]]
-    for i in range(28):
-        for part, shape in (("self_attn.q_proj.weight", [1536, 1536]), ("self_attn.q_proj.bias", [1536]),
-                            ("self_attn.k_proj.weight", [256, 1536]), ("self_attn.k_proj.bias", [256]),
-                            ("self_attn.v_proj.weight", [256, 1536]), ("self_attn.v_proj.bias", [256]),
-                            ("self_attn.o_proj.weight", [1536, 1536]), ("mlp.gate_proj.weight", [8960, 1536]),
-                            ("mlp.up_proj.weight", [8960, 1536]), ("mlp.down_proj.weight", [1536, 8960]),
-                            ("input_layernorm.weight", [1536]), ("post_attention_layernorm.weight", [1536])):
-            names.append(f"model.layers.{i}.{part}")
-            shapes.append(shape)
-    names.append("model.norm.weight")
-    shapes.append([1536])
-    pieces, at = [], 0
-    for shape in shapes:
-        n = 2 * math.prod(shape)
-        pieces.append((0, at, n))
-        at += n
-    return WeightUpdate(version=1, names=names, dtypes=["bfloat16"] * len(names), shapes=shapes, transport="cuda_ipc",
-                        ipc_handles=[b"stand-in handle".ljust(64)], ipc_pieces=pieces, ipc_keep=True, ipc_event=True,
-                        header_id="0123456789abcdef")
 
 
 def _spawn(kind: str, endpoint: str, next_endpoint: str = "") -> subprocess.Popen:
@@ -119,20 +84,16 @@ def _stats(samples: list[float]) -> dict[str, float]:
 
 
 def run(rounds: int, idle_s: float) -> dict[str, dict[str, float]]:
-    import msgspec
     import zmq
 
-    from treadle.common.records import HEADER_FIELDS, Control
+    from treadle.common.records import Control
     from treadle.common.rpc import LoopThread, RpcClient
 
     tmp = Path(tempfile.mkdtemp(prefix="treadle-hops-"))
     ep = {k: f"ipc://{tmp}/{k}.sock" for k in ("raw", "echo", "relay")}
     procs = [_spawn("raw", ep["raw"]), _spawn("echo", ep["echo"]), _spawn("relay", ep["relay"], ep["echo"])]
     msg = Control(op="echo", args={"version": 1, "names": ["model.layers.0.mlp.up_proj.weight"] * 8})
-    whole = _in_place_update()
-    short = msgspec.structs.replace(whole, header_kept=True, **{f: [] for f in HEADER_FIELDS})
-    out: dict[str, list[float]] = {k: [] for k in ("raw", "rpc", "rpc_thread", "relay", "two_calls", "header",
-                                                     "header_kept")}
+    out: dict[str, list[float]] = {k: [] for k in ("raw", "rpc", "rpc_thread", "relay", "two_calls")}
     lt = LoopThread(name="bench-hops")
     try:
         raw = zmq.Context.instance().socket(zmq.DEALER)
@@ -166,8 +127,6 @@ def run(rounds: int, idle_s: float) -> dict[str, dict[str, float]]:
                     call(thread_client)
                 elif case == "relay":
                     call(relay_client)
-                elif case.startswith("header"):
-                    call(thread_client, "update", whole if case == "header" else short)
                 else:
                     call(thread_client)
                     call(thread_client)

@@ -11,8 +11,9 @@ untimed warm-up sync (join, buffers, first reload), the variants alternate ``--r
 sender's ``SyncReport``: from the start of ``sync`` until the daemon reported the engine loaded
 (gather + broadcast + the engine's reload + acknowledgement); its gather and broadcast parts
 are reported too. The ratio is given of the medians and paired (the median over rounds of the
-two variants' ratio within a round). One inline sync (tensors in the message) is timed for reference. Finally the
-daemon's prompt logprobs are checked against the trainer model's own forward.
+two variants' ratio within a round). One inline sync (tensors in the message, a second sender
+with ``transport="inline"``) is timed for reference. Finally the daemon's prompt logprobs are
+checked against the trainer model's own forward.
 
     OMP_NUM_THREADS=1 .venv/bin/python tools/bench/bench_weight_sync.py --bucket-mb 16 --repeats 7
     OMP_NUM_THREADS=1 .venv/bin/python tools/bench/bench_weight_sync.py --ranks 2 --json .cache/ws.json
@@ -61,9 +62,6 @@ class Args:
     engine_cpus: tuple[int, ...] = (1,)
     """Cores of the daemon's engine (``--cpus``; one thread each); empty: the daemon's default
     (all cores, one OpenMP thread per core: stalls whenever a neighbour takes a core)."""
-    compare: Literal["buckets", "gather"] = "buckets"
-    """What the two variants differ in: bucketed vs one tensor per broadcast, or (both bucketed)
-    the ZeRO-3 gather: one flat all-gather a bucket vs DeepSpeed's GatheredParameters."""
     json: str = ""
     """Write the results here as JSON too."""
 
@@ -71,7 +69,7 @@ class Args:
 # ------------------------------------------------------------------ trainer side (under torchrun)
 
 
-def worker(endpoint: str, model: str, out: str, bucket_mb: float, repeats: int, compare: str) -> None:
+def worker(endpoint: str, model: str, out: str, bucket_mb: float, repeats: int) -> None:
     import numpy as np
     import torch
 
@@ -96,9 +94,7 @@ def worker(endpoint: str, model: str, out: str, bucket_mb: float, repeats: int, 
     sender = WeightSender(engine, config=SenderConfig(bucket_bytes=int(bucket_mb * (1 << 20))), client=client,
                           zero_stage=3, is_main=info.is_main)
     try:
-        bucketed = sender.config.bucket_bytes
-        variants = ({"bucketed": {"bucket_bytes": bucketed}, "per_tensor": {"bucket_bytes": 0}} if compare == "buckets"
-                    else {"coalesced": {"gather": "coalesced"}, "per_parameter": {"gather": "per_parameter"}})
+        variants = {"bucketed": {"bucket_bytes": sender.config.bucket_bytes}, "per_tensor": {"bucket_bytes": 0}}
         warm = sender.sync(1)
         runs: dict[str, list[dict]] = {k: [] for k in variants}
         version = 1
@@ -109,8 +105,11 @@ def worker(endpoint: str, model: str, out: str, bucket_mb: float, repeats: int, 
                 r = sender.sync(version)
                 runs[name].append({"seconds": r.seconds, "gather": r.gather_seconds, "send": r.send_seconds,
                                    "buckets": r.buckets})
-        sender.config = dataclasses.replace(sender.config, transport="inline")
-        inline = sender.sync(version + 1)
+        # the transport is fixed per sender; an inline one joins no group, so the collective
+        # sender's group stays the daemon's
+        with WeightSender(engine, config=SenderConfig(transport="inline"), client=client, zero_stage=3,
+                          is_main=info.is_main) as inline_sender:
+            inline = inline_sender.sync(version + 1)
         x = torch.as_tensor(PROBE)[None]
         with torch.no_grad():
             mine = torch.log_softmax(engine.module(input_ids=x).logits[0, :-1].double(), -1)
@@ -199,8 +198,8 @@ def summarise(args: Args, res: dict, command: str) -> dict:
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "worker":  # the torchrun side
-        _, _, endpoint, model, out, bucket_mb, repeats, compare = sys.argv
-        worker(endpoint, model, out, float(bucket_mb), int(repeats), compare)
+        _, _, endpoint, model, out, bucket_mb, repeats = sys.argv
+        worker(endpoint, model, out, float(bucket_mb), int(repeats))
         return
     import tyro
 
@@ -216,7 +215,7 @@ def main() -> None:
             out = Path(tmp) / "result.json"
             subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                             f"--nproc_per_node={args.ranks}", __file__, "worker", endpoint, str(trained), str(out),
-                            str(args.bucket_mb), str(args.repeats), args.compare], check=True)
+                            str(args.bucket_mb), str(args.repeats)], check=True)
             result = summarise(args, json.loads(out.read_text()), command)
         finally:
             stop(proc)

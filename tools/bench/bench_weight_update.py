@@ -6,7 +6,7 @@ Times, from the sender's side, the whole update: first broadcast until ``receive
 returns (gate closed, receive, ``reload_weights``, tied-head refresh, resume, version bump).
 The two variants run interleaved ``--repeats`` times on alternating weight sets (so every update
 really changes the weights); medians and the per-tensor / bucketed ratio are printed, plus an
-inline (staged safetensors) update for reference. After the last update the engine's prompt
+inline update (``InlineWeights``, the tensors in hand) for reference. After the last update the engine's prompt
 logprobs are checked against the HF model holding the same weights.
 
     OMP_NUM_THREADS=1 PYTHONPATH=packages/common/src:packages/rollout/src \
@@ -66,14 +66,27 @@ def make_engine(args: Args, model: Path):
     return cls(cfg(model=str(model), max_model_len=512, eos_token_ids=()))
 
 
+def send_buckets(group, tensors, sizes) -> None:  # noqa: ANN001
+    """The sender's side, as the trainer's collective transport does it: pack each bucket
+    (``new_bucket`` + one ``_foreach_copy_``), broadcast it."""
+    import torch
+
+    from treadle.common.weights import bucket_ranges, new_bucket
+
+    for lo, hi in bucket_ranges(sizes, len(tensors)):
+        ts = tensors[lo:hi]
+        flat, views = new_bucket([str(t.dtype).removeprefix("torch.") for t in ts], [t.shape for t in ts])
+        torch._foreach_copy_(views, ts)
+        group.broadcast(flat)
+
+
 async def timed_update(engine, sender, names, tensors, sizes) -> float:
     """Seconds from the first broadcast until the engine has loaded and resumed."""
-    from treadle.common.records import WeightUpdate
-    from treadle.rollout.engine.group import send_buckets
+    from treadle.common.records import CollectiveWeights
 
-    update = WeightUpdate(version=engine.weight_version + 1, names=names,
-                          dtypes=[str(t.dtype).removeprefix("torch.") for t in tensors],
-                          shapes=[list(t.shape) for t in tensors], transport="collective", bucket_sizes=sizes)
+    update = CollectiveWeights(version=engine.weight_version + 1, names=names,
+                               dtypes=[str(t.dtype).removeprefix("torch.") for t in tensors],
+                               shapes=[list(t.shape) for t in tensors], bucket_sizes=sizes, group=sender.spec)
     start = time.perf_counter()
     thread = threading.Thread(target=send_buckets, args=(sender, tensors, sizes))
     thread.start()
@@ -89,9 +102,8 @@ async def bench(args: Args, model: Path) -> None:
     import torch
     from safetensors.torch import load_file
 
-    from treadle.common.records import WeightUpdate
-    from treadle.rollout.engine.group import GroupSpec, WeightGroup
-    from treadle.rollout.engine.weights import plan_buckets
+    from treadle.common.records import InlineWeights, WeightGroupSpec
+    from treadle.common.weights import WeightGroup, plan_buckets
 
     base = {k: v for f in sorted(model.glob("*.safetensors")) for k, v in load_file(str(f)).items()}
     g = torch.Generator().manual_seed(0)
@@ -110,7 +122,7 @@ async def bench(args: Args, model: Path) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    spec = GroupSpec(host="127.0.0.1", port=port, world_size=2, rank=0, timeout_s=120)
+    spec = WeightGroupSpec(host="127.0.0.1", port=port, world_size=2, rank=0, timeout_s=120)
     sender_box: list = []
     joining = threading.Thread(target=lambda: sender_box.append(WeightGroup(spec)))
     joining.start()
@@ -125,9 +137,9 @@ async def bench(args: Args, model: Path) -> None:
             times[variant].append(await timed_update(engine, sender, names, tensors, sizes))
     last = sets[(args.repeats - 1) % 2]
     t0 = time.perf_counter()
-    await engine.update_weights(WeightUpdate(version=engine.weight_version + 1, names=names,
-                                             dtypes=["float32"] * len(names), shapes=[list(t.shape) for t in last],
-                                             tensors=last))
+    await engine.update_weights(InlineWeights(version=engine.weight_version + 1, names=names,
+                                              dtypes=["float32"] * len(names), shapes=[list(t.shape) for t in last],
+                                              tensors=last))
     inline = time.perf_counter() - t0
 
     probe = np.arange(3, 40, dtype=np.int32)

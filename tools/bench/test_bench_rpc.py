@@ -3,7 +3,7 @@
 Two pairs, each in one ``benchmark.group`` with ``extra_info["role"]`` "baseline" (raw pyzmq)
 or "treadle":
 
-- ``rpc-64MiB``: one 64 MiB uint8 array inside a ``WeightUpdate`` (inline transport) sent with
+- ``rpc-64MiB``: one 64 MiB uint8 array inside an ``InlineWeights`` update sent with
   ``call`` and acknowledged, vs the same bytes through raw PUSH/PULL (``copy=False`` on both).
 - ``rpc-small``: ``REQUESTS`` small round trips with ``WINDOW`` requests outstanding, vs a raw
   DEALER/ROUTER echo keeping the same window and draining both sockets without blocking, as
@@ -25,7 +25,7 @@ import pytest
 import zmq
 
 from treadle.common.codec import encode
-from treadle.common.records import Ack, Control, WeightUpdate
+from treadle.common.records import Ack, Control, InlineWeights
 from treadle.common.rpc import RpcClient, RpcServer
 from treadle.common.rpc.sync import new_event_loop
 
@@ -95,8 +95,8 @@ def test_64mib_raw_push_pull(benchmark, payload):
 
 def test_64mib_treadle_call(benchmark, payload, treadle_rpc):
     loop, client = treadle_rpc
-    update = WeightUpdate(version=1, names=["blob"], dtypes=["uint8"], shapes=[[PAYLOAD_BYTES]],
-                          tensors=[payload])
+    update = InlineWeights(version=1, names=["blob"], dtypes=["uint8"], shapes=[[PAYLOAD_BYTES]],
+                           tensors=[payload])
 
     def once():
         assert loop.run_until_complete(client.call("put", update)) == Ack()

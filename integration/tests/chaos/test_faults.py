@@ -38,10 +38,10 @@ def weights_of(model: Path) -> dict[str, np.ndarray]:
 
 
 async def _update(rc: Any, tensors: dict[str, np.ndarray]) -> int:
-    from treadle.common.records import WeightUpdate
+    from treadle.common.records import InlineWeights
 
     version = int((await rc.stats())["version"]) + 1
-    report = await rc.update_weights(WeightUpdate(
+    report = await rc.update_weights(InlineWeights(
         version=version, names=list(tensors), dtypes=[str(t.dtype) for t in tensors.values()],
         shapes=[list(t.shape) for t in tensors.values()], tensors=list(tensors.values())))
     assert report["version"] == version and sorted(report["updated"]) == ["e0", "e1"], report

@@ -30,9 +30,9 @@ from treadle.common.codec import decode, encode
 from treadle.common.records import (
     Control,
     GenerateRequest,
+    InlineWeights,
     RewardRequest,
     SamplingParams,
-    WeightUpdate,
 )
 from treadle.common.rpc import SyncRpcClient
 from treadle.common.rpc.transport import hard_limit
@@ -103,10 +103,10 @@ ENGINE_WRONG = [("generate", Control(op="x"), None), ("generate", None, None), (
                 ("prompt_logprobs", _gen(np.array([1], np.int32)), None),
                 ("prompt_logprobs", _gen(np.array([10**6, 2], np.int32)), None),
                 ("update_weights", Control(op="x"), None),
-                ("update_weights", WeightUpdate(version=1, names=["no.such.weight"], dtypes=["float32"],
-                                                shapes=[[2]], tensors=[np.zeros(2, np.float32)]), None),
-                ("update_weights", WeightUpdate(version=1, names=["w"], dtypes=["float32"], shapes=[[2]],
-                                                tensors=[np.zeros(2, np.float32)]), {"shapes": [[3]]})]
+                ("update_weights", InlineWeights(version=1, names=["no.such.weight"], dtypes=["float32"],
+                                                 shapes=[[2]], tensors=[np.zeros(2, np.float32)]), None),
+                ("update_weights", InlineWeights(version=1, names=["w"], dtypes=["float32"], shapes=[[2]],
+                                                 tensors=[np.zeros(2, np.float32)]), {"shapes": [[3]]})]
 ROLLOUT_WRONG = [*ENGINE_WRONG, ("generate", GEN, {"sampling.n": 10**6}),
                  ("scale", Control(op="scale", args={"engines": "many"}), None),
                  ("scale", Control(op="scale", args={"engines": 0}), None), ("scale", None, None),

@@ -18,16 +18,19 @@ import numpy as np
 from treadle.common.codec import PROTOCOL_MAJOR, encode
 from treadle.common.records import (
     Ack,
+    CollectiveWeights,
     Control,
     Error,
     GenerateRequest,
     GenerateResult,
+    InlineWeights,
+    IpcWeights,
     RewardRequest,
     RewardResult,
     SamplingParams,
     Trajectory,
     TrajectoryBatch,
-    WeightUpdate,
+    WeightGroupSpec,
 )
 
 GOLDEN_DIR = Path(__file__).parent / "goldens"
@@ -51,6 +54,7 @@ def examples() -> dict[str, tuple[object, dict]]:
     sp = SamplingParams(n=4, temperature=0.7, top_p=0.9, top_k=20, max_tokens=64, stop_token_ids=[2, 3], seed=11,
                         prompt_logprobs=True)
     big = np.arange(1024, dtype=np.float32)  # 4 KiB: travels as its own frame
+    group = WeightGroupSpec(host="10.0.0.1", port=29500, world_size=5, rank=1, backend="nccl", timeout_s=60.0)
     return {
         "SamplingParams": (sp, {"id": 1, "op": "call", "method": "noop"}),
         "GenerateRequest": (GenerateRequest(prompt_token_ids=np.array([1, 2, 3], np.int32), sampling=sp, key="r1",
@@ -66,11 +70,19 @@ def examples() -> dict[str, tuple[object, dict]]:
         "RewardResult": (RewardResult(rewards=np.array([1.0, 0.0], np.float32), scores=np.array([1.0, 0.0], np.float32),
                                       failed=[False, True], errors=["", "timeout"], extra_logs={"len": [5.0, 5.0]},
                                       provenance={"fn": "math", "hash": "abc"}), {"id": 5, "op": "reply"}),
-        "WeightUpdate": (WeightUpdate(version=7, names=["w", "b"], dtypes=["float32", "int64"], shapes=[[32, 32], [3]],
-                                      tensors=[big.reshape(32, 32), np.array([1, 2, 3])],
-                                      canary_token_ids=np.array([5, 6, 7], np.int32),
-                                      canary_logprobs=np.array([-1.0, -2.0], np.float32)),
-                         {"id": 6, "op": "call", "method": "update_weights"}),
+        "InlineWeights": (InlineWeights(version=7, names=["w", "b"], dtypes=["float32", "int64"], shapes=[[32, 32], [3]],
+                                        tensors=[big.reshape(32, 32), np.array([1, 2, 3])],
+                                        canary_token_ids=np.array([5, 6, 7], np.int32),
+                                        canary_logprobs=np.array([-1.0, -2.0], np.float32)),
+                          {"id": 6, "op": "call", "method": "update_weights"}),
+        "WeightGroupSpec": (group, {"id": 10, "op": "call", "method": "join_weight_group"}),
+        "CollectiveWeights": (CollectiveWeights(version=8, names=["w", "b", "c"], dtypes=["bfloat16", "float32", "int64"],
+                                                shapes=[[4096, 64], [64], [3]], bucket_sizes=[1, 2], group=group,
+                                                canary_tolerance=1e-4),
+                              {"id": 11, "op": "call", "method": "update_weights"}),
+        "IpcWeights": (IpcWeights(version=9, names=["w", "b"], dtypes=["bfloat16", "float32"], shapes=[[4096, 64], [64]],
+                                  bucket_sizes=[2], handles=[b"\x81\xa6format\x01"]),
+                       {"id": 12, "op": "call", "method": "update_weights_abort"}),
         "Control": (Control(op="stats", args={"in_flight": 3, "ok": True, "engines": [{"id": "e0", "load": 0.5}]}),
                     {"id": 7, "op": "reply"}),
         "Error": (Error(code="busy", message="in-flight limit 4 reached", retryable=True), {"id": 8, "op": "error"}),

@@ -20,7 +20,8 @@ from treadle.common.records import (
     RECORD_TYPES,
     Control,
     GenerateResult,
-    WeightUpdate,
+    InlineWeights,
+    IpcWeights,
     same,
 )
 
@@ -35,9 +36,9 @@ TORCH_DTYPES = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, t
 
 
 def _weights(tensors):
-    return WeightUpdate(version=1, names=[f"t{i}" for i in range(len(tensors))],
-                        dtypes=[str(t.dtype).removeprefix("torch.") for t in tensors],
-                        shapes=[list(t.shape) for t in tensors], tensors=list(tensors))
+    return InlineWeights(version=1, names=[f"t{i}" for i in range(len(tensors))],
+                         dtypes=[str(t.dtype).removeprefix("torch.") for t in tensors],
+                         shapes=[list(t.shape) for t in tensors], tensors=list(tensors))
 
 
 def roundtrip(rec, **kw):
@@ -96,8 +97,7 @@ def test_no_pickle_for_foreign_objects():
     with pytest.raises(ValueError, match="Foreign is not a msgpack-native type"):
         Control(op="x", args={"obj": Foreign()})
     with pytest.raises(CodecError, match="cannot encode Foreign"):
-        encode(_weights([np.zeros(2)]).__class__(version=1, names=["a"], dtypes=["x"], shapes=[[1]],
-                                                 transport="collective", group={}, ipc_handles=[Foreign()]))
+        encode(IpcWeights(version=1, names=["a"], dtypes=["x"], shapes=[[1]], handles=[Foreign()]))
     with pytest.raises(CodecError):
         encode(Foreign())  # type: ignore[arg-type]
     with pytest.raises(CodecError):

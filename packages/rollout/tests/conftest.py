@@ -37,11 +37,11 @@ class Subject:
     model_b: Path  # the other tiny model's folder (weights to update to)
 
     def update(self, tensors: dict[str, torch.Tensor], **kw: Any) -> int:
-        from treadle.common.records import WeightUpdate
+        from treadle.common.records import InlineWeights
 
-        upd = WeightUpdate(version=self.engine.weight_version + 1, names=list(tensors),
-                           dtypes=[str(t.dtype).removeprefix("torch.") for t in tensors.values()],
-                           shapes=[list(t.shape) for t in tensors.values()], tensors=list(tensors.values()), **kw)
+        upd = InlineWeights(version=self.engine.weight_version + 1, names=list(tensors),
+                            dtypes=[str(t.dtype).removeprefix("torch.") for t in tensors.values()],
+                            shapes=[list(t.shape) for t in tensors.values()], tensors=list(tensors.values()), **kw)
         return self.aio(self.engine.update_weights(upd))
 
     def restore(self) -> None:
@@ -143,10 +143,24 @@ def reference_prompt_logprobs(model: Any, ids: Any) -> np.ndarray:
     return lp.gather(1, x[0, 1:, None]).squeeze(1).numpy()
 
 
+def send_buckets(group: Any, tensors: list[torch.Tensor], bucket_sizes: list[int]) -> None:
+    """The sender's side of a collective update, as simple as it gets: each bucket packed
+    (``common.weights`` layout) and broadcast, one after the other."""
+    from treadle.common.weights import bucket_ranges, new_bucket
+
+    for lo, hi in bucket_ranges(bucket_sizes, len(tensors)):
+        part = tensors[lo:hi]
+        flat, views = new_bucket([str(t.dtype).removeprefix("torch.") for t in part], [list(t.shape) for t in part],
+                                 device=str(part[0].device))
+        for view, t in zip(views, part, strict=True):
+            view.copy_(t)
+        group.broadcast(flat)
+
+
 @pytest.fixture(scope="session")
 def tools() -> Any:
     """The helpers above, for test modules (conftest is not importable under importlib mode)."""
     from types import SimpleNamespace
 
     return SimpleNamespace(logprobs=reference_logprobs, prompt_logprobs=reference_prompt_logprobs,
-                           checkpoint=checkpoint, free_port=free_port)
+                           checkpoint=checkpoint, free_port=free_port, send_buckets=send_buckets)

@@ -108,7 +108,7 @@ def test_vllm_digest_without_compute_weight_checksums_hashes_the_same_bytes(vllm
 def test_vllm_multiprocess_mode_generates_and_updates(models, ref, tools):
     """Workers in their own process (the daemon's mode on GPU): same results, same weight path."""
     pytest.importorskip("vllm")
-    from treadle.common.records import WeightUpdate
+    from treadle.common.records import InlineWeights
     from treadle.rollout.engine.vllm_engine import VllmEngine, VllmEngineConfig
 
     async def scenario():
@@ -120,8 +120,8 @@ def test_vllm_multiprocess_mode_generates_and_updates(models, ref, tools):
             req = GenerateRequest(prompt_token_ids=prompt, sampling=SamplingParams(n=2, max_tokens=12, seed=1))
             res = [r async for r in engine.generate(req)]
             b = tools.checkpoint(models["b"])
-            await engine.update_weights(WeightUpdate(version=1, names=list(b), dtypes=["float32"] * len(b),
-                                                     shapes=[list(t.shape) for t in b.values()], tensors=list(b.values())))
+            await engine.update_weights(InlineWeights(version=1, names=list(b), dtypes=["float32"] * len(b),
+                                                      shapes=[list(t.shape) for t in b.values()], tensors=list(b.values())))
             return prompt, res, await engine.prompt_logprobs(prompt)
 
     prompt, res, after = asyncio.run(scenario())
@@ -151,22 +151,35 @@ async def _collect(engine, req):
     return [r async for r in engine.generate(req)]
 
 
-def test_hf_copies_packed_buckets_as_words_and_a_parameter_of_another_dtype_by_value(models, tools):
-    """The hf engine's load of packed buckets (collective / cuda_ipc): copies of their bytes into the
-    parameters' bytes (as words), and a converting copy for a parameter not in the header's dtype."""
+def _buckets(tensors, sizes):
+    """Packed buckets (``common.weights`` layout) of ``tensors``, as a sender makes them."""
+    from treadle.common.weights import bucket_ranges, new_bucket
+
+    out = []
+    for lo, hi in bucket_ranges(sizes, len(tensors)):
+        flat, views = new_bucket([str(t.dtype)[6:] for t in tensors[lo:hi]], [list(t.shape) for t in tensors[lo:hi]])
+        for view, t in zip(views, tensors[lo:hi], strict=True):
+            view.copy_(t)
+        out.append(flat)
+    return out
+
+
+def test_hf_copies_packed_buckets_and_a_parameter_of_another_dtype_by_value(models, tools):
+    """The hf engine's load of packed buckets (collective / cuda_ipc): one multi-tensor copy a
+    bucket into the parameters, converting for a parameter not in the header's dtype."""
     import torch
 
-    from treadle.common.records import WeightUpdate
+    from treadle.common.records import CollectiveWeights
+    from treadle.common.weights import bucket_ranges, bucket_views, plan_buckets
     from treadle.rollout.engine.hf_engine import HfEngine, HfEngineConfig
-    from treadle.rollout.engine.weights import bucket_ranges, pack_bucket, plan_buckets
 
     want = tools.checkpoint(models["b"])
     names = sorted(want)
     tensors = [want[n].float() for n in names]
     sizes = plan_buckets([t.numel() * 4 for t in tensors], 4096)
-    flats = [pack_bucket(tensors[lo:hi]) for lo, hi in bucket_ranges(sizes, len(names))]
-    update = WeightUpdate(version=1, names=names, dtypes=["float32"] * len(names),
-                          shapes=[list(t.shape) for t in tensors], transport="collective", bucket_sizes=sizes)
+    flats = _buckets(tensors, sizes)
+    update = CollectiveWeights(version=1, names=names, dtypes=["float32"] * len(names),
+                               shapes=[list(t.shape) for t in tensors], bucket_sizes=sizes)
     odd = next(n for n in names if n.endswith("norm.weight"))
 
     async def scenario():
@@ -176,7 +189,8 @@ def test_hf_copies_packed_buckets_as_words_and_a_parameter_of_another_dtype_by_v
             params = dict(engine.model.named_parameters())
             params[odd].data = params[odd].data.double()  # kept in another dtype than the header's
             engine._named = None
-            engine._copy_flats(update, iter(flats))
+            engine._copy_buckets(update, ((lo, hi, bucket_views(f, update.dtypes[lo:hi], update.shapes[lo:hi]))
+                                          for (lo, hi), f in zip(bucket_ranges(sizes, len(names)), flats, strict=True)))
             return {n: params[n].detach().clone() for n in names}
         finally:
             await engine.close()
@@ -186,95 +200,51 @@ def test_hf_copies_packed_buckets_as_words_and_a_parameter_of_another_dtype_by_v
     assert [n for n in names if not torch.equal(got[n].float(), want[n].float())] == []
 
 
-@pytest.mark.parametrize("gap", [4, 2])
-def test_hf_copies_the_senders_own_tensors_in_place_from_their_storages(models, ref, tools, gap):
-    """The hf engine's in-place cuda_ipc load (``ipc_pieces``): each tensor's bytes wherever they
-    lie in the sender's storages (here two flat host buffers standing in for the mapped ones, the
-    tensors in another order than the header's), copied into the parameters. With 4-byte gaps
-    (fp32 aligned) the engine lays its parameters out as the storages are (``_mirrored``) and
-    the next load of new bytes in the same places is one copy a storage; with 2-byte gaps
-    (unaligned for fp32) it copies tensor by tensor, as 2-byte words."""
-    import random
+def test_hf_loads_a_cuda_ipc_update_bucket_by_bucket_and_lets_go_of_the_mapping(models, ref, tools, monkeypatch):
+    """The hf engine's cuda_ipc load (``Engine.update_weights`` of an ``IpcWeights``), with host
+    buffers standing in for the sender's mapped GPU buckets: each bucket's tensors copied into
+    the model, the copies waited for, every view of the sender's memory dropped before it answers."""
+    import gc
+    import weakref
 
     import torch
 
-    from treadle.common.records import WeightUpdate
+    from treadle.common import ipc
+    from treadle.common.records import IpcWeights
+    from treadle.common.weights import plan_buckets
     from treadle.rollout.engine.hf_engine import HfEngine, HfEngineConfig
 
     want = tools.checkpoint(models["b"])
     names = sorted(want)
-    tensors = [want[n].float().reshape(-1) for n in names]
-    order = list(range(len(names)))
-    random.Random(0).shuffle(order)
-    storages = [torch.zeros(gap, dtype=torch.uint8), torch.zeros(gap, dtype=torch.uint8)]
-    pieces: list = [None] * len(names)
-    for j, i in enumerate(order):  # alternate storages, each tensor after a gap
-        k = j % 2
-        at = storages[k].numel()
-        pieces[i] = (k, at, tensors[i].numel() * 4)
-        storages[k] = torch.cat([storages[k], tensors[i].view(torch.uint8), torch.zeros(gap, dtype=torch.uint8)])
-    update = WeightUpdate(version=1, names=names, dtypes=["float32"] * len(names),
-                          shapes=[list(want[n].shape) for n in names], transport="cuda_ipc",
-                          ipc_handles=[b"h0", b"h1"], ipc_pieces=pieces, ipc_keep=True)
+    tensors = [want[n].float() for n in names]
+    sizes = plan_buckets([t.numel() * 4 for t in tensors], 16 << 10)
+    flats = _buckets(tensors, sizes)
+    opened, synced = [], []
+    monkeypatch.setattr(ipc, "open_handles", lambda handles, device: (
+        opened.append(list(handles)), [f.clone() for f in flats])[1])
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: synced.append(device))
+    handles = [b"bucket-%d" % k for k in range(len(sizes))]
+    update = IpcWeights(version=1, names=names, dtypes=["float32"] * len(names),
+                        shapes=[list(t.shape) for t in tensors], bucket_sizes=sizes, handles=handles)
 
     async def scenario():
         engine = HfEngine(HfEngineConfig(model=str(models["a"]), eos_token_ids=()))
         await engine.start()
         try:
-            params = dict(engine.model.named_parameters())
-            first = engine._copy_pieces(update, storages)
-            got = {n: params[n].detach().clone() for n in names if n in params}
-            scored = await engine.prompt_logprobs(np.arange(3, 20))  # the model runs on what it was given
-            if gap == 4:  # the sender's next weights, in the same places (the gaps are zeros)
-                for st in storages:
-                    st.view(torch.float32).mul_(2)
-            again = engine._copy_pieces(update, storages)
-            doubled = {n: params[n].detach().clone() for n in names if n in params}
-            mirror = engine._mirror
-            inside = mirror is not None and all(
-                any(b.data_ptr() <= params[n].data_ptr() < b.data_ptr() + b.numel() for b in mirror.bufs)
-                for n in got)
-            return got, doubled, first, again, mirror, inside, scored
+            seen = []
+            real = engine._copy
+
+            def copy(names_, views):  # watch the views: none may outlive the load
+                seen.extend(weakref.ref(v) for v in views)
+                real(names_, views)
+
+            engine._copy = copy
+            await engine._load_ipc(update)  # past the checks, which need a GPU (test_ipc.py)
+            gc.collect()
+            return [r for r in seen if r() is not None], await engine.prompt_logprobs(np.arange(3, 20))
         finally:
             await engine.close()
 
-    got, doubled, first, again, mirror, inside, scored = asyncio.run(scenario())
-    assert len(got) > 1 and [n for n in got if not torch.equal(got[n].float(), want[n].float())] == []
+    alive, scored = asyncio.run(scenario())
+    assert opened == [handles] and len(synced) == 1 and len(sizes) > 1 and alive == []
     assert np.abs(scored - tools.prompt_logprobs(ref["b"], np.arange(3, 20))).max() <= 1e-4
-    if gap == 4:
-        assert mirror is not None and inside and len(mirror.bufs) == 2  # the parameters lie in two buffers
-        assert list(first) == [0] and len(first[0][0]) == 2 and list(again) == [0]  # one copy a storage
-        assert [n for n in got if not torch.equal(doubled[n].float(), 2 * want[n].float())] == []
-    else:
-        assert mirror is None and sorted(first) == sorted(again) == [2]  # tensor by tensor, as 2-byte words
-        assert [n for n in got if not torch.equal(doubled[n], got[n])] == []
-
-
-def test_hf_lays_nothing_out_for_a_sender_that_does_not_keep_its_memory(models):
-    """Without ``ipc_keep`` (a trainer that offloads between syncs, and sleeps its engines) the
-    parameters stay where they are: tensor by tensor, no mirror."""
-    import torch
-
-    from treadle.common.records import WeightUpdate
-    from treadle.rollout.engine.hf_engine import HfEngine, HfEngineConfig
-
-    async def scenario():
-        engine = HfEngine(HfEngineConfig(model=str(models["a"]), eos_token_ids=()))
-        await engine.start()
-        try:
-            params = dict(engine.model.named_parameters())
-            names = sorted(params)
-            flat = torch.cat([params[n].detach().reshape(-1).view(torch.uint8) for n in names])
-            at = [0]
-            for n in names[:-1]:
-                at.append(at[-1] + params[n].numel() * 4)
-            update = WeightUpdate(version=1, names=names, dtypes=["float32"] * len(names),
-                                  shapes=[list(params[n].shape) for n in names], transport="cuda_ipc",
-                                  ipc_handles=[b"h0"], ipc_pieces=[(0, a, params[n].numel() * 4) for a, n in zip(at, names, strict=True)])
-            pairs = engine._copy_pieces(update, [flat])
-            return pairs, engine._mirror
-        finally:
-            await engine.close()
-
-    pairs, mirror = asyncio.run(scenario())
-    assert mirror is None and 0 not in pairs and pairs

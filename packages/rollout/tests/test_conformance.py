@@ -13,10 +13,15 @@ import numpy as np
 import pytest
 
 from treadle.common.errors import BadRequest, Busy, EngineDead
-from treadle.common.records import GenerateRequest, SamplingParams, WeightUpdate
-from treadle.rollout.engine import CanaryMismatch, GroupSpec, WeightMismatch
-from treadle.rollout.engine.group import WeightGroup, send_buckets
-from treadle.rollout.engine.weights import plan_buckets, tensor_nbytes
+from treadle.common.records import (
+    CollectiveWeights,
+    GenerateRequest,
+    InlineWeights,
+    SamplingParams,
+    WeightGroupSpec,
+)
+from treadle.common.weights import WeightGroup, plan_buckets, tensor_nbytes
+from treadle.rollout.engine import CanaryMismatch, WeightMismatch
 
 PROMPTS = [np.array([5, 6, 7, 8, 9, 10, 11], dtype=np.int32), np.array([300, 17, 42], dtype=np.int32),
            np.arange(100, 130, dtype=np.int32)]
@@ -239,8 +244,8 @@ def test_a_header_that_passed_is_not_checked_again_but_any_other_is(subject):
     engine = subject.engine
 
     def update(tensors):
-        return WeightUpdate(version=engine.weight_version + 1, names=list(tensors), dtypes=["float32"] * len(tensors),
-                            shapes=[list(t.shape) for t in tensors.values()], transport="cuda_ipc")
+        return CollectiveWeights(version=engine.weight_version + 1, names=list(tensors),
+                                 dtypes=["float32"] * len(tensors), shapes=[list(t.shape) for t in tensors.values()])
 
     good = update(subject.base)
     engine.check_update(good)
@@ -256,8 +261,8 @@ def test_a_header_that_passed_is_not_checked_again_but_any_other_is(subject):
 def test_in_flight_samples_never_mix_versions(subject, ref, tools, mode):
     v0 = subject.engine.weight_version
     b = tools.checkpoint(subject.model_b)
-    upd = WeightUpdate(version=v0 + 1, names=list(b), dtypes=["float32"] * len(b),
-                       shapes=[list(x.shape) for x in b.values()], tensors=list(b.values()))
+    upd = InlineWeights(version=v0 + 1, names=list(b), dtypes=["float32"] * len(b),
+                        shapes=[list(x.shape) for x in b.values()], tensors=list(b.values()))
 
     async def scenario():
         old = asyncio.create_task(collect(subject.engine, request(PROMPTS[0], temperature=1.0, max_tokens=300, seed=8)))
@@ -295,11 +300,11 @@ def test_canary_accepts_right_weights_and_flags_wrong_ones(subject, ref, tools):
 
 def joined_sender(subject, tools) -> WeightGroup:
     """The sender's side (rank 0) of a new group of two, the engine joined as rank 1."""
-    spec = GroupSpec(host="127.0.0.1", port=tools.free_port(), world_size=2, rank=0, timeout_s=60)
+    spec = WeightGroupSpec(host="127.0.0.1", port=tools.free_port(), world_size=2, rank=0, timeout_s=60)
     sender: list[WeightGroup] = []
     joining = threading.Thread(target=lambda: sender.append(WeightGroup(spec)))
     joining.start()
-    subject.aio(subject.engine.join_weight_group(spec.with_rank(1).as_dict()))
+    subject.aio(subject.engine.join_weight_group(spec.with_rank(1)))
     joining.join(30)
     return sender[0]
 
@@ -310,14 +315,13 @@ def test_collective_receive_is_bit_identical(subject, ref, tools):
     sender = [joined_sender(subject, tools)]
 
     def broadcast(update, ts):
-        t = threading.Thread(target=send_buckets, args=(sender[0], ts, update.bucket_sizes))
+        t = threading.Thread(target=tools.send_buckets, args=(sender[0], ts, update.bucket_sizes))
         t.start()
         return t
 
     def collective(version, dtypes):
-        return WeightUpdate(version=version, names=names, dtypes=dtypes, shapes=[list(x.shape) for x in tensors],
-                            transport="collective",
-                            bucket_sizes=plan_buckets([tensor_nbytes(d, x.shape) for d, x in zip(dtypes, tensors, strict=True)], 64 << 10))
+        return CollectiveWeights(version=version, names=names, dtypes=dtypes, shapes=[list(x.shape) for x in tensors],
+                                 bucket_sizes=plan_buckets([tensor_nbytes(d, x.shape) for d, x in zip(dtypes, tensors, strict=True)], 64 << 10))
 
     v0 = subject.engine.weight_version
     base_digest = subject.aio(subject.engine.weight_digest())
@@ -343,84 +347,3 @@ def test_collective_receive_is_bit_identical(subject, ref, tools):
         sender[0].close()
         subject.restore()
 
-
-def test_armed_receive_goes_on_the_signal_stands_down_or_lets_go(subject, ref, tools):
-    """``arm_weights``: requests wait while armed; on "go" the buckets are received before the
-    update's request arrives, which then only finishes the load; "no", the timeout or leaving
-    the group reopen the gate with the weights untouched, and the update is received as usual."""
-    b = tools.checkpoint(subject.model_b)
-    names, tensors = list(b), list(b.values())
-    sender = [joined_sender(subject, tools)]
-
-    def collective(version, bucket_bytes):
-        return WeightUpdate(version=version, names=names, dtypes=["float32"] * len(names),
-                            shapes=[list(x.shape) for x in tensors], transport="collective",
-                            bucket_sizes=plan_buckets([x.numel() * 4 for x in tensors], bucket_bytes))
-
-    def send(update, go=None):
-        def run():
-            if go is not None:
-                sender[0].signal(update.version, go)
-            send_buckets(sender[0], tensors, update.bucket_sizes)
-        t = threading.Thread(target=run)
-        t.start()
-        return t
-
-    async def armed_then(arm, update, go):
-        await subject.engine.arm_weights(arm)
-        waiting = asyncio.ensure_future(collect(subject.engine, request(PROMPTS[1], max_tokens=2)))
-        await asyncio.sleep(0.3)
-        assert not waiting.done() and subject.engine.stats().paused  # requests wait while armed
-        t = send(update, go) if go else None
-        if go is False:
-            sender[0].signal(arm.version, False)
-            await asyncio.sleep(0.1)
-            t = send(update)
-        version = await subject.engine.receive_weights(update)
-        return version, await waiting, t
-
-    v0 = subject.engine.weight_version
-    try:
-        if not subject.engine.arms:
-            with pytest.raises(BadRequest, match="cannot arm"):
-                subject.aio(subject.engine.arm_weights(collective(v0 + 1, 64 << 10)))
-            assert not subject.engine.stats().paused
-            return
-        upd = collective(v0 + 1, 64 << 10)
-        version, results, t = subject.aio(armed_then(upd, upd, go=True))
-        t.join(30)
-        assert version == v0 + 1 and results[0].weight_version == v0 + 1
-        assert "signalled" in subject.engine.last_load  # received on the signal, before the request
-        got = subject.aio(subject.engine.prompt_logprobs(PROMPTS[2]))
-        assert np.abs(got - tools.prompt_logprobs(ref["b"], PROMPTS[2])).max() <= TOL
-        subject.restore()  # inline: the base weights again (version v0 + 2)
-        # The sender's plan changed after arming: "no" reopens the gate (the waiting request runs
-        # on the weights it has), then the update comes as usual with another header.
-        armed, other = collective(v0 + 3, 64 << 10), collective(v0 + 3, 16 << 10)
-        version, results, t = subject.aio(armed_then(armed, other, go=False))
-        t.join(30)
-        assert version == v0 + 3 and results[0].weight_version == v0 + 2
-        assert "signalled" not in subject.engine.last_load and not subject.engine.stats().broken
-        got = subject.aio(subject.engine.prompt_logprobs(PROMPTS[2]))
-        assert np.abs(got - tools.prompt_logprobs(ref["b"], PROMPTS[2])).max() <= TOL
-        # No signal within the timeout: disarmed, gate open, nothing changed.
-        async def armed_until_timeout():
-            await subject.engine.arm_weights(collective(v0 + 4, 64 << 10), timeout_s=3.0)
-            with pytest.raises(BadRequest, match="armed"):
-                await subject.engine.sleep()
-            for _ in range(200):
-                if not subject.engine.stats().paused:
-                    return
-                await asyncio.sleep(0.1)
-
-        subject.aio(armed_until_timeout())
-        assert not subject.engine.stats().paused and not subject.engine.stats().broken
-        assert run(subject, request(PROMPTS[1], max_tokens=2))[0].weight_version == v0 + 3
-    finally:
-        # Leaving the group disarms too (an armed engine would otherwise wait for the signal).
-        if subject.engine.arms and subject.engine._group is not None:
-            subject.aio(subject.engine.arm_weights(collective(subject.engine.weight_version + 1, 64 << 10)))
-        subject.aio(subject.engine.leave_weight_group())
-        assert not subject.engine.stats().paused and not subject.engine.stats().broken
-        sender[0].close()
-        subject.restore()

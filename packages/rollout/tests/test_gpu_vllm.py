@@ -22,7 +22,7 @@ import pytest
 import torch
 from treadle_testing import load_by_path, load_tool
 
-from treadle.common.records import GenerateRequest, SamplingParams, WeightUpdate
+from treadle.common.records import GenerateRequest, InlineWeights, SamplingParams
 
 # device_count(), not is_available(): that asks the CUDA runtime, which poisons fork, and vLLM forks its
 # engine core ("Cannot re-initialize CUDA in forked subprocess"); device_count() asks NVML.
@@ -125,7 +125,7 @@ def test_sleep_levels_give_memory_back_and_wake_serves_the_same_weights(bf16_eng
     assert e.stats().broken  # level 2 dropped them: refused until a weight update
 
     base = {n: t.to(torch.bfloat16) for n, t in tools.checkpoint(small).items()}
-    aio(e.update_weights(WeightUpdate(version=e.weight_version + 1, names=list(base), dtypes=["bfloat16"] * len(base),
+    aio(e.update_weights(InlineWeights(version=e.weight_version + 1, names=list(base), dtypes=["bfloat16"] * len(base),
                                       shapes=[list(t.shape) for t in base.values()], tensors=list(base.values()))))
     assert not e.stats().broken and aio(e.weight_digest()) == digest  # bit-identical again
     assert np.abs(aio(e.prompt_logprobs(PROMPTS[2])) - before).max() <= 1e-3

@@ -1,7 +1,7 @@
 """The cuda_ipc weight transport on CPU: the handle's msgpack encoding (from a fabricated
 ``reduce_tensor`` result, since there is no GPU here), its strict decoding, and that engines
 refuse a cuda_ipc update they cannot open before anything changes. Opening real handles is
-tested on the GPU machine (packages/trainer/tests/test_gpu_weights.py)."""
+tested on the GPU machine (test_gpu.py; packages/trainer/tests/test_gpu_weights.py)."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import torch
 
+from treadle.common import ipc
 from treadle.common.errors import BadRequest
-from treadle.common.records import WeightUpdate
-from treadle.rollout.engine import ipc
-from treadle.rollout.engine.weights import bucket_layout, plan_buckets
+from treadle.common.records import IpcWeights
+from treadle.common.weights import bucket_layout, plan_buckets
 
 UUID = "5b1d2a0c-0000-4000-8000-00000000abcd"
 
@@ -122,8 +122,8 @@ def test_buckets_of_one_allocation_are_mapped_once_and_viewed_at_their_offsets(m
         assert v.numel() == n and torch.equal(v, ((torch.arange(off, off + n) % 251).to(torch.uint8) + k))
 
 
-def ipc_update(base: dict[str, torch.Tensor], version: int, bucket_bytes: int = 4096, extra_handles: int = 0,
-               wrong_size: bool = False) -> WeightUpdate:
+def ipc_update(base: dict[str, torch.Tensor], version: int, bucket_bytes: int = 4096, wrong_size: bool = False
+               ) -> IpcWeights:
     """A cuda_ipc update of the engine's own tensors, each bucket with a fabricated handle."""
     names = list(base)
     dtypes = [str(t.dtype).removeprefix("torch.") for t in base.values()]
@@ -134,89 +134,25 @@ def ipc_update(base: dict[str, torch.Tensor], version: int, bucket_bytes: int = 
         total = bucket_layout(dtypes[lo:lo + s], shapes[lo:lo + s])[1] + (64 if wrong_size else 0)
         handles.append(ipc.dumps(ipc.handle_from_reduction(*reduction(numel=total, offset=0), device_uuid=UUID)))
         lo += s
-    return WeightUpdate(version=version, names=names, dtypes=dtypes, shapes=shapes, transport="cuda_ipc",
-                        bucket_sizes=sizes, ipc_handles=handles + handles[:extra_handles])
+    return IpcWeights(version=version, names=names, dtypes=dtypes, shapes=shapes, bucket_sizes=sizes, handles=handles)
 
 
-def in_place_update(base: dict[str, torch.Tensor], version: int, short: bool = False) -> WeightUpdate:
-    """A cuda_ipc update naming the tensors' bytes in one fabricated storage (``ipc_pieces``);
-    ``short``: the storage ends before the last tensor does."""
-    names = list(base)
-    sizes = [t.numel() * t.element_size() for t in base.values()]
-    at = [sum(sizes[:i]) for i in range(len(sizes))]
-    handle = ipc.handle_from_reduction(*reduction(numel=sum(sizes) - (1 if short else 0), offset=0), device_uuid=UUID)
-    return WeightUpdate(version=version, names=names, dtypes=[str(t.dtype).removeprefix("torch.") for t in base.values()],
-                        shapes=[list(t.shape) for t in base.values()], transport="cuda_ipc",
-                        ipc_handles=[ipc.dumps(handle)], ipc_pieces=[(0, a, n) for a, n in zip(at, sizes, strict=True)])
-
-
-def test_in_place_pieces_are_checked_by_the_record():
-    base = {"a": torch.zeros(4), "b": torch.zeros(2, 2)}
-    update = in_place_update(base, 1)
-    with pytest.raises(ValueError, match=r"1 pieces for 2 tensors over cuda_ipc"):
-        msgspec.structs.replace(update, ipc_pieces=update.ipc_pieces[:1])
-    with pytest.raises(ValueError, match=r"ipc_pieces\[1\] \(b\) = \(1, 16, 16\): needs a handle index below 1"):
-        msgspec.structs.replace(update, ipc_pieces=[update.ipc_pieces[0], (1, 16, 16)])
-    with pytest.raises(ValueError, match="ipc_keep is for cuda_ipc updates in place"):
-        msgspec.structs.replace(ipc_update(base, 1), ipc_keep=True)
-    assert msgspec.structs.replace(update, ipc_keep=True).ipc_keep
-    with pytest.raises(ValueError, match="ipc_event needs ipc_keep"):
-        msgspec.structs.replace(update, ipc_event=True)
-    assert msgspec.structs.replace(update, ipc_keep=True, ipc_event=True).ipc_event
-    with pytest.raises(ValueError, match="cuda_ipc only"):
-        WeightUpdate(version=1, names=["a"], dtypes=["float32"], shapes=[[4]], transport="inline",
-                     tensors=[np.zeros(4, np.float32)], ipc_handles=[b"x"], ipc_pieces=[(0, 0, 16)])
-
-
-def test_an_update_may_leave_out_a_named_header():
-    from treadle.rollout.direct import _without_header
-
-    update = msgspec.structs.replace(in_place_update({"a": torch.zeros(4)}, 1), ipc_keep=True, ipc_event=True,
-                                     header_id="h1")
-    short = _without_header(update)  # what a direct client sends an engine that keeps h1
-    assert short.header_kept and short.ipc_keep and short.ipc_event and short.names == short.ipc_pieces == []
-    assert len(msgspec.msgpack.encode(short)) < len(msgspec.msgpack.encode(update))
-    with pytest.raises(ValueError, match=r"needs a header_id \(''\)"):
-        msgspec.structs.replace(short, header_id="")
-    with pytest.raises(ValueError, match=r"no header fields \(got \['names', 'dtypes', 'shapes'\]\)"):
-        msgspec.structs.replace(update, header_kept=True, ipc_handles=[], ipc_pieces=[])
-    with pytest.raises(ValueError, match="header_id has 65 characters; at most 64"):
-        msgspec.structs.replace(update, header_id="h" * 65)
-    with pytest.raises(ValueError, match="an inline or cuda_ipc transport"):
-        WeightUpdate(version=1, names=[], dtypes=[], shapes=[], transport="collective", header_id="h1", header_kept=True)
+def test_an_update_with_a_handle_count_other_than_its_buckets_is_refused_by_the_record():
+    update = ipc_update({"a": torch.zeros(4), "b": torch.zeros(2, 2)}, 1, bucket_bytes=0)
+    with pytest.raises(ValueError, match="3 handles for 2 buckets"):
+        msgspec.structs.replace(update, handles=update.handles + update.handles[:1])
 
 
 def test_engines_refuse_cuda_ipc_they_cannot_open_and_stay_usable(subject):
     engine, before = subject.engine, subject.engine.weight_version
     prompt = np.arange(3, 20)
     scores = subject.aio(engine.prompt_logprobs(prompt))
-    cases = [(ipc_update(subject.base, before + 1, extra_handles=1), "handles for"),
-             (ipc_update(subject.base, before + 1), "CUDA device" if subject.name == "hf" else "does not take")]
-    cases.append((in_place_update(subject.base, before + 1), "CUDA device" if subject.name == "hf" else "does not take"))
+    cases = [(ipc_update(subject.base, before + 1), "CUDA device" if subject.name == "hf" else "does not take")]
     if subject.name == "hf":
         cases.append((ipc_update(subject.base, before + 1, wrong_size=True), "layout needs"))
-        cases.append((in_place_update(subject.base, before + 1, short=True), "the tensor has"))
     for update, match in cases:
         with pytest.raises(BadRequest, match=match):
             subject.aio(engine.update_weights(update))
     assert engine.weight_version == before and not engine.stats().broken and not engine.stats().paused
     np.testing.assert_array_equal(subject.aio(engine.prompt_logprobs(prompt)), scores)
 
-
-def test_share_storages_makes_one_handle_per_storage_and_keeps_it_while_the_storage_stays(monkeypatch):
-    made = []
-
-    def fake_encode(flat, spans):  # a stand-in for torch's CUDA share (no GPU here): names the storage
-        made.append(flat.untyped_storage().data_ptr())
-        assert spans == [(0, flat.untyped_storage().nbytes())] and flat.numel() == spans[0][1]
-        return [b"handle-%d" % len(made)]
-
-    monkeypatch.setattr(ipc, "encode_buckets", fake_encode)
-    a, b = torch.zeros(64), torch.zeros(8, dtype=torch.bfloat16)
-    kept, handles, pieces = ipc.share_storages([a[16:32], b, a[:8]], {})
-    assert handles == [b"handle-1", b"handle-2"] and pieces == [(0, 64, 64), (1, 0, 16), (0, 0, 32)]
-    kept, handles, _ = ipc.share_storages([b, a[:8]], kept)  # the same storages: the same handles, none made
-    assert handles == [b"handle-2", b"handle-1"] and len(made) == 2
-    c = torch.zeros(4)
-    kept, handles, pieces = ipc.share_storages([c], kept)  # a moved tensor: a new share; the old ones dropped
-    assert handles == [b"handle-3"] and pieces == [(0, 0, 16)] and list(kept) == [c.untyped_storage().data_ptr()]

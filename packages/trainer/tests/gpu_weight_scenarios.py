@@ -76,19 +76,10 @@ def cases(cpu: bool) -> list[tuple[str, str, dict]]:
     from treadle.trainer.weights.sender import SenderConfig  # noqa: F401  (fields checked there)
 
     backend = "gloo" if cpu else "nccl"
-    # the default: rank 0 reads rank 1's partitions over CUDA IPC (collective transport; gathers on CPU)
     out = [("nccl_bucketed", "nccl", dict(backend=backend, bucket_bytes=64 << 10, canary_token_ids=CANARY,
                                           canary_tolerance=BF16_TOL)),
-           ("nccl_per_tensor", "nccl", dict(backend=backend, bucket_bytes=0)),
-           ("nccl_gathered", "nccl", dict(backend=backend, bucket_bytes=64 << 10, peer_reads=False)),  # NCCL gathers
-           # armed before training, received on rank 0's signal (gloo on CPU: that daemon keeps weights, refuses)
-           ("nccl_armed", "nccl", dict(backend=backend, bucket_bytes=64 << 10, arm=True, canary_token_ids=CANARY,
-                                       canary_tolerance=BF16_TOL)),
-           # the two options off by default: ramped buckets (the tied embedding sent last) and rank 0
-           # packing straight from rank 1's mapped memory (``_direct``: ``PeerReads(direct=True)``)
-           ("nccl_direct_ramp", "nccl", dict(backend=backend, bucket_bytes=64 << 10, ramp=3, _direct=True,
-                                             canary_token_ids=CANARY, canary_tolerance=BF16_TOL))]
-    if not cpu:  # cuda_ipc always gathers
+           ("nccl_per_tensor", "nccl", dict(backend=backend, bucket_bytes=0))]
+    if not cpu:
         out += [("ipc_bucketed", "ipc", dict(transport="cuda_ipc", bucket_bytes=64 << 10, canary_token_ids=CANARY,
                                              canary_tolerance=BF16_TOL)),
                 ("ipc_per_tensor", "ipc", dict(transport="cuda_ipc", bucket_bytes=0))]
@@ -96,23 +87,17 @@ def cases(cpu: bool) -> list[tuple[str, str, dict]]:
 
 
 def run(a: argparse.Namespace, clients: dict, main: bool) -> dict:
-    from treadle.trainer.weights.peers import PeerReads
     from treadle.trainer.weights.sender import SenderConfig, WeightSender
 
     engine, out = build(a.model, dist.get_world_size()), {}
     versions = {"nccl": 0, "ipc": 0}
     for k, (name, daemon, fields) in enumerate(cases(a.cpu)):
         client, rounds = clients.get(daemon), []
-        direct = fields.pop("_direct", False)
         with WeightSender(engine, config=SenderConfig(**fields), client=client, zero_stage=3, is_main=main) as s:
-            if direct:  # every rank, as the sender's first sync would (its group is a collective)
-                s._peers = PeerReads(s._cpu_group(), direct=True)
             for j in range(2):
                 versions[daemon] += 1
-                s.arm(versions[daemon])  # after the rollout, before training (a no-op unless armed)
                 train_step(engine, 10 * k + j)
-                r = report(s.sync(versions[daemon]))
-                rounds.append({"report": r, "peer_reads": bool(s._peers and s._peers.active), **check(engine, client)})
+                rounds.append({"report": report(s.sync(versions[daemon])), **check(engine, client)})
         out[name] = rounds
     # two senders taking turns on one daemon: each join replaces the daemon's group (the other
     # sender's is left, its NCCL communicator aborted); the replaced sender is told its group is

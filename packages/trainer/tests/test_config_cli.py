@@ -588,24 +588,9 @@ def test_agent_program_and_agent_file_are_one_or_the_other():
         parse_ppo([*base, "--train.agent_cmd", "python a.py", "--reward.remote_url", "r.py"])
 
 
-@pytest.mark.parametrize(("flags", "want"), [([], True), (["--vllm.no_sync_peer_reads"], False)])
-def test_sync_peer_reads_flag_reaches_the_weight_sender(flags, want):
-    from types import SimpleNamespace
-
-    import torch
-
-    from treadle.trainer.trainers.ppo_build import sender
-
-    cfg = parse_ppo([*ppo_argv(), *flags])
-    parts = SimpleNamespace(cfg=cfg, actor=torch.nn.Linear(2, 2), sync_client=object(),
-                            dist=SimpleNamespace(is_main=True))
-    with sender(parts) as s:
-        assert s.config.peer_reads is want
-
-
 def test_the_weight_sync_goes_where_it_can_work():
     """The seed's colocated command asks for NCCL, which cannot hold the trainer's rank 0 and an
-    engine on its GPU in one group: gloo there, saying why; cuda_ipc needs CUDA and no arming."""
+    engine on its GPU in one group: gloo there, saying why; cuda_ipc needs CUDA."""
     from treadle.trainer.trainers.ppo_build import sync_route
 
     def with_backend(backend, *extra, colocated=True):
@@ -629,22 +614,20 @@ def test_the_weight_sync_goes_where_it_can_work():
               "--actor.num_gpus_per_node", "1", "--ref.num_gpus_per_node", "1", "--reward.num_gpus_per_node", "1",
               "--critic.num_gpus_per_node", "1")
     assert sync_route(with_backend("cuda_ipc", *one_hf), cuda=True) == ("cuda_ipc", "nccl", "")
-    with pytest.raises(ConfigError, match="the vllm backend does not take cuda_ipc updates"):
-        sync_route(with_backend("cuda_ipc"), cuda=True)
+    one_vllm = [*one_hf[2:]]  # the vllm backend takes cuda_ipc too
+    assert sync_route(with_backend("cuda_ipc", *one_vllm), cuda=True) == ("cuda_ipc", "nccl", "")
     with pytest.raises(ConfigError, match="puts its 8 engine GPUs on GPUs of their own"):
         sync_route(with_backend("cuda_ipc", "--vllm.backend", "hf"), cuda=True)
     # a running daemon (--vllm.endpoint): its engines say for themselves whether they can open the handles
     assert sync_route(with_backend("cuda_ipc", "--vllm.endpoint", "tcp://127.0.0.1:5570"), cuda=True)[0] == "cuda_ipc"
     with pytest.raises(ConfigError, match="cuda_ipc shares GPU memory: it needs CUDA"):
         sync_route(with_backend("cuda_ipc"), cuda=False)
-    with pytest.raises(ConfigError, match="not with --vllm.sync_backend cuda_ipc"):
-        sync_route(with_backend("cuda_ipc", "--vllm.sync_arm", colocated=False), cuda=True)
 
 
 def test_a_daemon_the_trainer_starts_puts_its_engines_beside_or_on_the_trainers_gpus():
     import dataclasses
 
-    from treadle.trainer.rl.daemon import daemon_spec, engine_gpus, serve_args
+    from treadle.trainer.daemon import daemon_spec, engine_gpus, serve_args
 
     assert engine_gpus(engine_gpus=4, trainer_gpus=2, colocate=False, visible=8, mask=None) == (2, 3, 4, 5)
     assert engine_gpus(engine_gpus=2, trainer_gpus=2, colocate=True, visible=2, mask=None) == (0, 1)

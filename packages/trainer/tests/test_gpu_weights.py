@@ -1,9 +1,8 @@
 """On 2 GPUs (``-m gpu``): weight sync from a bf16 ZeRO-3 trainer (2 ranks under torchrun) to
 real ``treadle-rollout serve --backend hf --engine.device cuda`` daemons (bf16, tiny model "a"):
 over NCCL to a daemon on GPU 1, over CUDA IPC to a daemon on GPU 0 (rank 0's GPU), bucketed
-and per tensor, two versions each (``gpu_weight_scenarios.py``), rank 0 reading rank 1's
-partitions over CUDA IPC (``weights.peers``), and once more gathering them over NCCL (peer
-reads off), and by two senders taking turns on the NCCL daemon. After every sync the daemon's
+and per tensor, two versions each (``gpu_weight_scenarios.py``), and by two senders taking
+turns on the NCCL daemon. After every sync the daemon's
 weights are bit-identical to the trainer's (digests) and its prompt logprobs match the
 trainer's own forward; a cuda_ipc update to the daemon on the other GPU is refused.
 
@@ -98,17 +97,10 @@ def test_zero3_weights_reach_gpu_daemons_bit_identical_over_nccl_and_ipc(daemons
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     main = results[0]
     print(json.dumps({k: v for k, v in main.items() if k != "world"}, indent=None))
-    for name in ("nccl_bucketed", "nccl_per_tensor", "nccl_gathered", "nccl_armed", "nccl_direct_ramp", "ipc_bucketed",
-                 "ipc_per_tensor"):
+    for name in ("nccl_bucketed", "nccl_per_tensor", "ipc_bucketed", "ipc_per_tensor"):
         first, second = main[name]
         for r in (first, second):
             assert r["digest_ok"] and r["gap"] <= BF16_TOL, (name, r)
-            # armed: the engine received on rank 0's signal (NCCL: no keeper in the group)
-            assert ("signalled" in r["report"]["engine_seconds"]["e0"]) == (name == "nccl_armed"), (name, r)
-            # rank 0 read rank 1's partitions over CUDA IPC (the default), except where told to gather
-            # over NCCL and with the cuda_ipc transport (which gathers)
-            peer = name in ("nccl_bucketed", "nccl_per_tensor", "nccl_armed", "nccl_direct_ramp")
-            assert all(res[name][i]["peer_reads"] == peer for res in results for i in (0, 1))
             assert r["report"]["updated"] == ["e0"] and r["version"] == r["report"]["version"], (name, r)
         assert second["version"] == first["version"] + 1
     assert main["nccl_bucketed"][0]["report"]["buckets"] > 1 and main["ipc_per_tensor"][0]["report"]["buckets"] == 26

@@ -24,7 +24,7 @@ def test_plan_sends_dequantized_base_plus_lora_delta(tiny):
     from bitsandbytes.functional import dequantize_4bit
 
     from treadle.trainer.models.loading import load_causal_lm
-    from treadle.trainer.weights.gather import is_4bit, plan
+    from treadle.trainer.weights.plan import is_4bit, plan
 
     model = load_causal_lm(str(tiny), _ds(), trainable=True)
     assert is_4bit(model)

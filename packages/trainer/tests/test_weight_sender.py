@@ -21,7 +21,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -171,14 +170,14 @@ def gap(d: Daemon, model: torch.nn.Module) -> float:
     ("model.norm.weight", "model.norm.weight"),
 ])
 def test_hf_names_strip_the_wrappers(name, hf):
-    from treadle.trainer.weights.gather import hf_name
+    from treadle.trainer.weights.plan import hf_name
 
     assert hf_name(name) == hf
 
 
 def test_plan_lists_exactly_what_the_engine_spec_wants(model_b):
     from treadle.rollout.engine.weights import WeightMismatch, spec_from_checkpoint
-    from treadle.trainer.weights.gather import plan
+    from treadle.trainer.weights.plan import plan
 
     model = causal_lm(model_b)
     for dtype, name in ((None, None), (torch.bfloat16, "bfloat16")):
@@ -195,7 +194,8 @@ def test_plan_lists_exactly_what_the_engine_spec_wants(model_b):
 
 
 def test_lora_merged_value_is_pefts_merge_and_the_module_is_untouched(model_b):
-    from treadle.trainer.weights.gather import host_copy, plan
+    from treadle.trainer.weights.gather import host_copy
+    from treadle.trainer.weights.plan import plan
 
     peft_model = with_lora(causal_lm(model_b))
     before = {k: v.clone() for k, v in peft_model.state_dict().items()}
@@ -209,51 +209,11 @@ def test_lora_merged_value_is_pefts_merge_and_the_module_is_untouched(model_b):
     assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
 
 
-class _Partitioned(torch.nn.Parameter):
-    """Stands in for a ZeRO-3 parameter (the attributes ``scatter_views`` reads), no DeepSpeed."""
-
-
-def _zero3_like(full: torch.Tensor, world: int, rank: int) -> torch.Tensor:
-    size = -(-full.numel() // world)  # ZeRO-3: equal pieces, the last one zero-padded
-    padded = torch.cat([full.reshape(-1), full.new_zeros(world * size - full.numel())])
-    p = _Partitioned(torch.empty(0, dtype=full.dtype), requires_grad=False)
-    p.ds_id, p.ds_numel, p.ds_shape = 0, full.numel(), full.shape
-    p.ds_tensor = padded[rank * size:(rank + 1) * size].clone()
-    return p
-
-
-@pytest.mark.parametrize(("world", "mixed"), [(2, False), (3, False), (4, False), (2, True), (3, True)])
-def test_scatter_views_put_every_partition_in_its_packed_place(world, mixed):
-    """The sender's fast path: gathered rows of concatenated partitions (padded last pieces of
-    odd sizes included), or per rank a list of its partitions (peer reads), copied into the
-    packed bucket equal packing the full tensors, in the sent dtype."""
-    from treadle.rollout.engine.weights import unpack_bucket
-    from treadle.trainer.weights.gather import Item, bucket_bytes, direct, scatter_views
-
-    g = torch.Generator().manual_seed(world)
-    fulls = [torch.randn(shape, generator=g, dtype=torch.float32) for shape in [(7, 5), (3,), (1,), (4, 4), (13,)]]
-    ranks = [[_zero3_like(f, world, r) for f in fulls] for r in range(world)]
-    dtypes = [torch.float32 if mixed and i % 2 else torch.bfloat16 for i in range(len(fulls))]
-    items = [Item(name=f"t{i}", shape=tuple(f.shape), dtype=dt, sources=(ranks[0][i],))
-             for i, (f, dt) in enumerate(zip(fulls, dtypes, strict=True))]
-    assert direct(items)
-    grid = torch.stack([torch.cat([p.ds_tensor for p in ps]) for ps in ranks])  # what gather_grid returns
-    rows = [[p.ds_tensor for p in ps] for ps in ranks]  # what PeerReads.rows returns
-    for source in (grid, rows):
-        flat = torch.full((bucket_bytes(items) + 16,), 255, dtype=torch.uint8)[:bucket_bytes(items)]
-        torch._foreach_copy_(*scatter_views(items, source, flat))
-        _, views = unpack_bucket([it.dtype_name for it in items], [it.shape for it in items], flat=flat)
-        for f, v, dt in zip(fulls, views, dtypes, strict=True):
-            assert v.dtype == dt and torch.equal(v, f.to(dt))
-
-
-def test_config_refuses_adapters_and_bad_values():
+def test_config_refuses_bad_values():
     from treadle.trainer.weights.sender import SenderConfig
 
-    with pytest.raises(ConfigError, match="merged"):
-        SenderConfig(lora="adapter")
     for bad in ({"dtype": "int8"}, {"bucket_bytes": -1}, {"canary_token_ids": (5,)}, {"port": 70000},
-                {"timeout_s": 0}, {"ramp": -1}, {"ramp": 17}):
+                {"timeout_s": 0}, {"mode": "later"}, {"transport": "ray"}):
         with pytest.raises(ConfigError):
             SenderConfig(**bad)
 
@@ -266,37 +226,6 @@ def test_cuda_ipc_transport_needs_cuda(model_b):
     with pytest.raises(ConfigError, match="cuda_ipc needs CUDA"):
         sender(causal_lm(model_b), object(), transport="cuda_ipc")
 
-
-
-def test_the_in_place_answer_and_its_header_name_are_kept_while_the_parameters_stay(model_b, monkeypatch):
-    """cuda_ipc in place, rank 0 (``_in_place``): the storages' handles and each tensor's place
-    are made once and kept, with one header name, while the parameters' memory stays; a parameter
-    moved makes new ones under a new name. The CUDA IPC share
-    itself cannot run here: a stand-in handle per storage (named so) replaces it, and the
-    sender's device is the CPU the model lies on."""
-    import dataclasses
-
-    from treadle.rollout.engine import ipc
-
-    made = []
-
-    def stand_in_handles(flat, spans):  # noqa: ANN001, ANN202
-        made.append(flat.data_ptr())
-        return [f"stand-in handle {len(made)}".encode()]
-
-    monkeypatch.setattr(ipc, "encode_buckets", stand_in_handles)
-    model = causal_lm(model_b)
-    s = sender(model, object())
-    s.config = dataclasses.replace(s.config, transport="cuda_ipc")  # past the CUDA check, on this CPU model
-    items = s._plan(model, None)
-    first = s._in_place(items)
-    assert first is not None and len(first.header_id) == 16 and len(first.shared[1]) == len(items)
-    shares, name = len(made), first.header_id
-    assert s._in_place(items) is first and len(made) == shares  # kept: nothing shared again
-    param = items[0].sources[0]
-    param.data = param.data.clone()  # moved: its storage is another one
-    second = s._in_place(items)
-    assert second.header_id not in ("", name) and len(made) == shares + 1  # only the new storage shared
 
 
 # ------------------------------------------------------------------ against a daemon, in this process
@@ -321,7 +250,7 @@ def test_lora_arrives_as_the_merged_weight(daemon, model_b):
 
 
 def test_fp32_trainer_to_bf16_engine_and_a_failed_canary(bf16_daemon, model_b):
-    from treadle.rollout.client import EnginesQuarantined
+    from treadle.common.errors import EnginesQuarantined
 
     model, c = causal_lm(model_b), bf16_daemon.client
     v = bf16_daemon.next_version()
@@ -364,12 +293,12 @@ def test_a_released_sender_holds_no_buffers_and_sends_whole_weights_again(daemon
     model = causal_lm(model_b)
     v = daemon.next_version()
     with sender(model, daemon.client, bucket_bytes=64 << 10) as s:
-        assert s.sync(v).updated == ["e0"] and len(s._buffers) == 2
+        assert s.sync(v).updated == ["e0"] and len(s._transport.buffers) == 2
         s.release()
-        assert s._buffers == [] and s._ipc_buffer is None
+        assert s._transport.buffers == []
         with torch.no_grad():
             model.model.norm.weight.add_(0.25)
-        assert s.sync(v + 1).updated == ["e0"] and len(s._buffers) == 2
+        assert s.sync(v + 1).updated == ["e0"] and len(s._transport.buffers) == 2
     assert list(daemon.client.weight_digest().values()) == [scenarios.hf_digest(checkpoint_state(model), True)]
 
 
@@ -386,84 +315,6 @@ def test_two_senders_take_turns_on_one_daemon(daemon, model_b):
             assert list(daemon.client.weight_digest().values()) == [scenarios.hf_digest(checkpoint_state(model), True)]
         assert (first.joins, second.joins) == (2, 2)
     assert daemon.client.health()["version"] == v + 3
-
-
-def test_armed_sync_goes_on_the_signal_and_the_usual_way_when_it_is_not_the_armed_one(daemon, lean_daemon, model_b,
-                                                                                      monkeypatch):
-    """``arm`` then ``sync``: the engine receives on the sender's signal (its load stamps say so);
-    armed for another version than the sync sends, or armed twice, it stands down and the sync
-    goes the usual way; a refusal after the signal (the pool changed) is resent unarmed. A daemon
-    whose front end keeps the weights in the group refuses to arm: syncs go the usual way."""
-    model = causal_lm(model_b)
-    v = daemon.next_version()
-    with sender(model, daemon.client, bucket_bytes=64 << 10, arm=True) as s:
-        s.arm(v)
-        report = s.sync(v)
-        assert report.updated == ["e0"] and "signalled" not in report.engine_seconds["e0"] and s._arm_refused
-    daemon = lean_daemon
-    counting = CountingClient(daemon.client)
-    v = daemon.next_version()
-
-    with sender(model, counting, bucket_bytes=64 << 10, arm=True, canary_token_ids=CANARY) as s:
-        s.arm(v)
-        report = s.sync(v)
-        assert report.updated == ["e0"] and "signalled" in report.engine_seconds["e0"]
-        arrived(daemon, model)
-        with torch.no_grad():
-            model.model.norm.weight.add_(0.25)
-        s.arm(v + 1)
-        report = s.sync(v + 2)  # not the armed version: stood down, sent as usual
-        assert report.updated == ["e0"] and "signalled" not in report.engine_seconds["e0"]
-        arrived(daemon, model)
-        s.arm(v + 3)
-        s.arm(v + 3)  # the first arming stands down; the second is used
-        with torch.no_grad():
-            model.model.norm.weight.add_(0.25)
-        assert "signalled" in s.sync(v + 3).engine_seconds["e0"]
-        arrived(daemon, model)
-        # The pool changes after arming: refused after the signal; the armed engine still gets every
-        # bucket (a gloo receive cannot be interrupted), then the update is resent unarmed. Slowed
-        # hand-overs: the refusal comes while the broadcast is still going.
-        from treadle.trainer.weights.transfer import Transfer
-
-        put = Transfer.put
-        s.arm(v + 4)
-        daemon.client.scale(2)
-        try:
-            monkeypatch.setattr(Transfer, "put", lambda self, *a: (time.sleep(0.2), put(self, *a)))
-            report = s.sync(v + 4)
-            monkeypatch.undo()
-            digests = daemon.client.weight_digest()
-        finally:
-            daemon.client.scale(1)
-        assert sorted(report.updated) == ["e0", "e1"] and counting.joins >= 2  # >2: e1's catch-up came later
-        assert sorted(digests.values()) == [scenarios.hf_digest(checkpoint_state(model), True)] * 2
-        assert s.sync(v + 5).updated == ["e0"]  # unarmed after that: rejoined as usual
-    assert daemon.client.health()["version"] == v + 5 and gap(daemon, model) <= TOL
-
-
-
-def test_armed_ramped_sync_goes_on_the_signal_and_another_ramp_stands_the_engines_down(lean_daemon, model_b):
-    """Ramped buckets (the tied embedding sent last, small first buckets) keep the armed path: the
-    reordered plan is the same list at ``arm`` and at ``sync``. A sync whose ramp differs from the
-    armed one has other buckets: the engines stand down and the sync goes the usual way."""
-    import dataclasses
-
-    model, daemon = causal_lm(model_b), lean_daemon
-    v = daemon.next_version()
-
-    with sender(model, daemon.client, bucket_bytes=64 << 10, arm=True, ramp=3) as s:
-        s.arm(v)
-        report = s.sync(v)
-        assert report.updated == ["e0"] and "signalled" in report.engine_seconds["e0"]
-        arrived(daemon, model)
-        with torch.no_grad():
-            model.model.norm.weight.add_(0.25)
-        s.arm(v + 1)
-        s.config = dataclasses.replace(s.config, ramp=1)  # other buckets than the armed header's
-        report = s.sync(v + 1)
-        assert report.updated == ["e0"] and "signalled" not in report.engine_seconds["e0"]
-        arrived(daemon, model)
 
 
 def test_name_mismatch_is_a_typed_error_and_the_sender_stays_usable(daemon, model_b):
@@ -499,23 +350,13 @@ def run_zero3(daemon: Daemon, model: Path, out: Path, nproc: int, run_torchrun: 
         stamps = r["report"]["engine_seconds"]["e0"]
         times = [stamps[k] for k in ("called", "loading", "loaded", "done")]
         assert times == sorted(times) and times[0] >= -0.05 and times[-1] <= r["report"]["seconds"] + 0.05, name
-        assert 0 <= r["report"]["stamps"]["planned"] <= times[0] + 0.05, name  # the sender's own, before the engine's
     assert main["bucketed"]["report"]["buckets"] > 1 and main["per_tensor"]["report"]["buckets"] == 26
-    # ramped: the tied embedding, first in the model's order and larger than a bucket, was sent last
-    assert main["model_order"][0] == main["sent_order"][-1] == "model.embed_tokens.weight"
-    assert sorted(main["sent_order"]) == sorted(main["model_order"])
     assert main["inline"]["version"] == v + 3
     assert main["after_wrong"] == v + 3  # the refused version changed nothing
     assert main["lora"]["gap"] <= TOL and main["lora"]["version"] == v + 5
     assert main["lora"]["digest_ok"]  # the ZeRO-3 LoRA export (merged) holds exactly what the engine loaded
-    for name, version in (("peer", v + 6), ("peer_rejoined", v + 7)):  # rank 0 read the others' partitions
-        r = main[name]
-        assert r["version"] == version and r["report"]["updated"] == ["e0"], name
-        assert r["gap"] <= TOL and r["digest_ok"], name
     for r in results:  # every rank took the same branch
-        assert r["coalesced_equals_deepspeed"] == [True, True]
-        assert r["same_version"] == "BadRequest" and r["wrong_dtype"] == "BadRequest"
-        assert r["peer_same_version"] == "BadRequest" and r["peer_active"] == (nproc > 1)
+        assert r["same_version"] == "BadRequest" and r["wrong_dtype"] == "WeightMismatch"  # its own wire code now
         assert r["bucketed"]["report"]["tensors"] == 26
     return results
 
@@ -523,7 +364,7 @@ def run_zero3(daemon: Daemon, model: Path, out: Path, nproc: int, run_torchrun: 
 def test_zero3_two_ranks_send_intact_weights(daemon, model_b, tmp_path, run_torchrun):
     results = run_zero3(daemon, model_b, tmp_path, 2, run_torchrun)
     assert results[1]["bucketed"]["report"]["updated"] == []  # only rank 0 talks to the daemon
-    assert results[1]["bucketed"]["report"]["engine_seconds"] == {} == results[1]["bucketed"]["report"]["stamps"]
+    assert results[1]["bucketed"]["report"]["engine_seconds"] == {}
 
 
 @pytest.mark.slow
@@ -531,71 +372,19 @@ def test_zero3_one_rank_sends_intact_weights(daemon, model_b, tmp_path, run_torc
     run_zero3(daemon, model_b, tmp_path, 1, run_torchrun)
 
 
-def test_planner_stops_watching_modules_that_are_gone():
-    """A planned model that is gone leaves nothing watched: a later module at its address (CPython
-    reuses them) registering children must not count as a change of a planned tree. Keeping the
-    ids made a slice of another model replan it now and then, in a long process."""
-    import gc
-
-    from treadle.trainer.weights import gather
-
-    gather.plan(torch.nn.Linear(1, 1))  # the first plan imports peft, which keeps that call's frame
-    gc.collect()  # earlier tests' planned models that are already garbage
-    before = len(gather._WATCHED)
-    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.LayerNorm(4))
-    planner = gather.Planner()
-    planner(model)
-    assert len(gather._WATCHED) == before + 3
-    del model, planner
-    gc.collect()
-    assert len(gather._WATCHED) == before
-
-
-def test_planner_keeps_the_plan_until_a_tensor_it_names_changes():
-    from treadle.trainer.weights.gather import Planner, plan
-
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.LayerNorm(4))
-    model.register_buffer("scale", torch.ones(2))
-    planner = Planner()
-    first = planner(model)
-    assert planner(model) is first and [it.name for it in first] == [it.name for it in plan(model)]
-    assert planner(model, torch.bfloat16) is not first  # another sent dtype
-    kept = planner(model)
-    assert len(model[:1]) == 1 and planner(model) is kept  # a slice (HF forwards make one) changes nothing here
-
-    def replanned(change) -> list[str]:  # noqa: ANN001
-        before = planner(model)
-        change()
-        after = planner(model)
-        assert after is not before and planner(model) is after
-        return [it.name for it in after]
-
-    assert "extra" in replanned(lambda: model.register_parameter("extra", torch.nn.Parameter(torch.zeros(1))))
-    assert "extra" not in replanned(lambda: delattr(model, "extra"))
-    replanned(lambda: setattr(model[0], "weight", torch.nn.Parameter(torch.zeros(4, 3))))  # another object
-    replanned(lambda: setattr(model[0].weight, "data", model[0].weight.data.double()))  # another dtype
-    assert replanned(lambda: setattr(model[0], "weight", torch.nn.Parameter(torch.zeros(5, 3))))  # another shape
-    replanned(lambda: model.__setitem__(1, torch.nn.LayerNorm(4)))  # a child replaced
-    assert "scale" not in replanned(lambda: model._non_persistent_buffers_set.add("scale"))
-    assert [it.sources[0] for it in planner(model)][0] is model[0].weight  # the current objects
-    # a ZeRO-3 partition (as DeepSpeed leaves it: an empty tensor, the whole shape in ds_shape)
-    w, before = model[0].weight, planner(model)
-    w.data, w.ds_shape = torch.empty(0, dtype=w.dtype), torch.Size([5, 3])
-    assert planner(model) is not before  # its shape changed
-    replanned(lambda: setattr(w, "ds_shape", torch.Size([3, 5])))  # another full shape
-    replanned(lambda: delattr(w, "ds_shape"))  # a partition no longer
-
-
-def test_a_transfer_whose_client_is_closed_answers_with_the_error_at_once():
+def test_a_broadcast_whose_client_is_closed_answers_with_the_error_at_once():
     from treadle.common.errors import ServiceClosed
-    from treadle.trainer.weights.transfer import Transfer
+    from treadle.common.records import CollectiveWeights
+    from treadle.trainer.weights.collective import _Broadcast
+    from treadle.trainer.weights.outcome import Rank
 
     class Closed:  # the rollout client after close(): submit refuses
         def submit(self, *args: Any, **kwargs: Any) -> Any:
             raise ServiceClosed("the event-loop thread has stopped")
 
-    t = Transfer(Closed(), None, None, 1, [torch.zeros(4, dtype=torch.uint8)])
-    assert not t.wait_accepted()  # answered without accepting: nothing is broadcast
-    answer, err = t.result()
-    assert answer is None and isinstance(err, ServiceClosed) and t.buffer() is None
+    rank = Rank(zero3=False, main=True, client=Closed(), device=torch.device("cpu"), mode="wait")
+    update = CollectiveWeights(version=1, names=["w"], dtypes=["uint8"], shapes=[[4]], bucket_sizes=[1])
+    b = _Broadcast(rank, update, None, [torch.zeros(4, dtype=torch.uint8)], None)
+    assert not b.wait_accepted()  # answered without accepting: nothing is broadcast
+    answer, err = b.result()
+    assert answer == {} and isinstance(err, ServiceClosed) and b.free() is None

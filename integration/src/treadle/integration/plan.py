@@ -162,7 +162,7 @@ def _check(cls: type, args: Sequence[str], where: str) -> Any:
 
 def rollout_flags_from(ppo: Any) -> list[str]:
     """``treadle-rollout serve`` flags for a ppo run's engines, as the trainer's own daemon gets them."""
-    from treadle.trainer.rl.daemon import daemon_spec, serve_args  # noqa: PLC0415  (no torch)
+    from treadle.trainer.daemon import daemon_spec, serve_args  # noqa: PLC0415  (no torch)
 
     spec = daemon_spec(ppo)
     items = flag_items(serve_args(spec, _PLACEHOLDER))

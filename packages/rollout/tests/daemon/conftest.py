@@ -82,13 +82,6 @@ def hf_daemon(aio: Any, models: dict[str, Path], tools: Any) -> Daemon:
 
 
 @pytest.fixture(scope="session")
-def direct_daemon(aio: Any, models: dict[str, Path], tools: Any) -> Daemon:
-    """Two hf engines on tiny model "a", of their own: direct weight updates (test_daemon_direct)
-    move them through versions the other daemon tests do not expect."""
-    yield from _two_hf_engines("direct", aio, models, tools)
-
-
-@pytest.fixture(scope="session")
 def tight_daemon(aio: Any, models: dict[str, Path], tools: Any) -> Daemon:
     """One hf engine, at most 8 samples in flight, requests give up after 3 s without an engine;
     Prometheus metrics on a random loopback port."""

@@ -18,7 +18,7 @@ import zmq
 
 from treadle.common.codec import decode, encode
 from treadle.common.errors import BadRequest, UnknownMethod
-from treadle.common.records import Control, Error, GenerateRequest, SamplingParams, WeightUpdate
+from treadle.common.records import Control, Error, GenerateRequest, InlineWeights, SamplingParams
 
 PROMPT = np.array([5, 6, 7, 8, 9, 10, 11], dtype=np.int32)
 TOL = 1e-4
@@ -133,7 +133,7 @@ def test_malformed_frames_get_error_replies_and_the_daemon_keeps_serving(hf_daem
         (encode(None, id=10, method="no-such-method"), "unknown_method"),
         (encode(Control(op="scale", args={"engines": 0}), id=11, method="scale"), "bad_request"),
         (encode(Control(op="join", args={"host": 1}), id=12, method="join_weight_group"), "bad_request"),
-        (encode(WeightUpdate(version=0, names=[], dtypes=[], shapes=[]), id=13, method="update_weights"),
+        (encode(InlineWeights(version=0, names=[], dtypes=[], shapes=[]), id=13, method="update_weights"),
          "bad_request"),
     ]
     try:
@@ -186,10 +186,10 @@ def test_update_then_kill_9_one_engine_during_512_requests(hf_daemon, aio, model
     every request gets each of its samples exactly once, and the engine comes back at version 1."""
     b = tools.checkpoint(models["b"])
     canary = np.arange(40, 60, dtype=np.int32)
-    update = WeightUpdate(version=1, names=list(b), dtypes=["float32"] * len(b), shapes=[list(t.shape) for t in b.values()],
-                          tensors=list(b.values()), canary_token_ids=canary,
-                          canary_logprobs=tools.prompt_logprobs(ref["b"], canary).astype(np.float32),
-                          canary_tolerance=1e-4)
+    update = InlineWeights(version=1, names=list(b), dtypes=["float32"] * len(b), shapes=[list(t.shape) for t in b.values()],
+                           tensors=list(b.values()), canary_token_ids=canary,
+                           canary_logprobs=tools.prompt_logprobs(ref["b"], canary).astype(np.float32),
+                           canary_tolerance=1e-4)
     report = hf_daemon.call(aio, lambda rc: rc.update_weights(update))
     assert report["version"] == 1 and sorted(report["updated"]) == ["e0", "e1"]
 

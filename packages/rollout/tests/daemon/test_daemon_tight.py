@@ -16,18 +16,18 @@ import numpy as np
 import pytest
 
 from treadle.common.errors import Busy
-from treadle.common.records import SamplingParams, WeightUpdate
+from treadle.common.records import InlineWeights, SamplingParams
 from treadle.rollout.client import EnginesQuarantined, NoEngine
 
 PROMPT = np.array([5, 6, 7, 8, 9, 10, 11], dtype=np.int32)
 CANARY = np.arange(40, 60, dtype=np.int32)
 
 
-def update_to(version, tensors, canary_logprobs, tolerance=1e-4) -> WeightUpdate:
-    return WeightUpdate(version=version, names=list(tensors), dtypes=["float32"] * len(tensors),
-                        shapes=[list(t.shape) for t in tensors.values()], tensors=list(tensors.values()),
-                        canary_token_ids=CANARY, canary_logprobs=canary_logprobs.astype(np.float32),
-                        canary_tolerance=tolerance)
+def update_to(version, tensors, canary_logprobs, tolerance=1e-4) -> InlineWeights:
+    return InlineWeights(version=version, names=list(tensors), dtypes=["float32"] * len(tensors),
+                         shapes=[list(t.shape) for t in tensors.values()], tensors=list(tensors.values()),
+                         canary_token_ids=CANARY, canary_logprobs=canary_logprobs.astype(np.float32),
+                         canary_tolerance=tolerance)
 
 
 async def until(pred, timeout=60.0):

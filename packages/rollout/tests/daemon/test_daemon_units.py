@@ -11,11 +11,20 @@ import numpy as np
 import pytest
 
 from treadle.common.config import ConfigError, flag_names, parse
-from treadle.common.errors import BadRequest, EngineDead, InternalError
+from treadle.common.errors import (
+    BadRequest,
+    CanaryMismatch,
+    EngineDead,
+    EnginesQuarantined,
+    InternalError,
+    NoEngine,
+    NoWeightGroup,
+    WeightGroupStale,
+    WeightMismatch,
+)
 from treadle.common.records import GenerateRequest, GenerateResult, SamplingParams
 from treadle.rollout import dispatch
 from treadle.rollout.config import EngineOptions, ScaleConfig, ServeConfig, engine_fields, placement
-from treadle.rollout.errors import EnginesQuarantined, NoEngine, WeightGroupStale, refine, tagged
 
 # ------------------------------------------------------------------------------ failover
 
@@ -197,12 +206,12 @@ def test_the_cli_refuses_unknown_commands_and_bad_flags():
 def test_rollout_errors_survive_the_wire_as_their_own_classes():
     from treadle.common.errors import error_for
 
-    for cls in (WeightGroupStale, EnginesQuarantined, NoEngine):
-        sent = tagged(cls, "details")
-        back = refine(error_for(sent.code, sent.message, sent.retryable))
+    for cls in (WeightGroupStale, NoWeightGroup, EnginesQuarantined, CanaryMismatch, WeightMismatch, NoEngine):
+        sent = cls("details")
+        back = error_for(sent.code, sent.message, sent.retryable)
         assert type(back) is cls and back.message == sent.message
-    plain = error_for("bad_request", "something else")
-    assert refine(plain) is plain
+    plain = error_for("bad_request", "weight group is stale: a message naming another error's words")
+    assert type(plain) is BadRequest  # recognised by code, never by message
 
 
 def test_the_client_imports_no_torch_vllm_or_transformers():

@@ -13,7 +13,7 @@ import signal
 import numpy as np
 import pytest
 
-from treadle.common.records import GenerateRequest, SamplingParams, WeightUpdate
+from treadle.common.records import CollectiveWeights, GenerateRequest, InlineWeights, SamplingParams
 from treadle.rollout.client import WeightGroupStale
 
 PROMPTS = [np.array([5, 6, 7, 8, 9, 10, 11], dtype=np.int32), np.array([300, 17, 42], dtype=np.int32),
@@ -41,9 +41,9 @@ def test_daemon_logprobs_equal_the_hf_models(vllm_daemon, aio, ref, tools, tempe
     assert np.abs(got - tools.prompt_logprobs(ref["a"], PROMPTS[2])).max() <= TOL
 
 
-def _header(weights: dict, version: int, **kw) -> WeightUpdate:
-    return WeightUpdate(version=version, names=list(weights), dtypes=["float32"] * len(weights),
-                        shapes=[list(t.shape) for t in weights.values()], **kw)
+def _header(weights: dict, version: int) -> dict:
+    return dict(version=version, names=list(weights), dtypes=["float32"] * len(weights),
+                shapes=[list(t.shape) for t in weights.values()])
 
 
 def _greedy(vllm_daemon, aio):
@@ -66,27 +66,23 @@ def _check_outputs(results, model, version, tools):
 
 def test_inline_update_outputs_are_exactly_the_new_weights(vllm_daemon, aio, models, ref, tools):
     b = tools.checkpoint(models["b"])
-    report = vllm_daemon.call(aio, lambda rc: rc.update_weights(_header(b, 1, tensors=list(b.values()))))
+    report = vllm_daemon.call(aio, lambda rc: rc.update_weights(InlineWeights(**_header(b, 1), tensors=list(b.values()))))
     assert report["version"] == 1 and sorted(report["updated"]) == ["e0", "e1"]
     _check_outputs(_greedy(vllm_daemon, aio), ref["b"], 1, tools)
 
 
 def test_collective_update_restart_catch_up_and_stale_group(vllm_daemon, aio, models, ref, tools):
-    from treadle.rollout.engine.group import GroupSpec, WeightGroup, send_buckets
-    from treadle.rollout.engine.weights import plan_buckets
+    from treadle.common.weights import WeightGroup, plan_buckets
 
     a, b = tools.checkpoint(models["a"]), tools.checkpoint(models["b"])
     sizes = plan_buckets([t.numel() * 4 for t in a.values()], 64 << 10)
 
-    def make_sender(spec):
-        return WeightGroup(GroupSpec.from_dict(spec))
-
     async def join(rc):
-        return await rc.join_weight_group("127.0.0.1", tools.free_port(), timeout_s=60, sender=make_sender)
+        return await rc.join_weight_group("127.0.0.1", tools.free_port(), timeout_s=60, sender=WeightGroup)
 
     async def push(rc, group, tensors, version):
-        upd = _header(tensors, version, transport="collective", bucket_sizes=sizes)
-        return await rc.update_weights(upd, send=lambda: send_buckets(group, list(tensors.values()), sizes))
+        upd = CollectiveWeights(**_header(tensors, version), bucket_sizes=sizes, group=group.spec)
+        return await rc.update_weights(upd, send=lambda: tools.send_buckets(group, list(tensors.values()), sizes))
 
     joined, group = vllm_daemon.call(aio, join)
     assert joined["world_size"] == 4 and joined["members"] == {"e0": 1, "e1": 2} and joined["keeper_rank"] == 3

@@ -110,11 +110,53 @@ class InternalError(TreadleError):
     code = "internal"
 
 
+class WeightMismatch(BadRequest):
+    """A weight update's names, shapes or dtypes do not fit the engine's model; nothing was loaded."""
+
+    code = "weight_mismatch"
+
+
+class WeightGroupStale(BadRequest):
+    """The pool's membership changed since the weight group was built, or another sender's group
+    replaced it: nothing was sent. Close the sender's group, join again (the new world size is in
+    the reply) and resend."""
+
+    code = "weight_group_stale"
+
+
+class NoWeightGroup(BadRequest):
+    """A collective update came before any group was joined (or after the daemon restarted):
+    nothing was sent; join, then resend."""
+
+    code = "no_weight_group"
+
+
+class CanaryMismatch(InternalError):
+    """The weights loaded, but the engine's canary logprobs differ from the sender's."""
+
+    code = "canary_mismatch"
+
+
+class EnginesQuarantined(InternalError):
+    """The update loaded, but some engines failed its canary; they take no work until a later
+    update passes on them (or they are restarted). The message names them and the differences."""
+
+    code = "engines_quarantined"
+
+
+class NoEngine(EngineDead):
+    """No engine could serve the request (all down, quarantined, behind on weights or draining)."""
+
+    code = "no_engine"
+    retryable = True
+
+
 ERRORS: dict[str, type[TreadleError]] = {
     cls.code: cls
     for cls in (
         CodecError, VersionMismatch, FrameTooLarge, BadRequest, UnknownMethod, Busy,
         RequestTimeout, Cancelled, EngineDead, Unauthorized, ServiceClosed, ConnectionLost, InternalError,
+        WeightMismatch, WeightGroupStale, NoWeightGroup, CanaryMismatch, EnginesQuarantined, NoEngine,
     )
 }
 

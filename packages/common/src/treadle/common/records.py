@@ -266,13 +266,45 @@ class RewardResult(Record):
         check_native(self.provenance, "RewardResult.provenance")
 
 
-class WeightUpdate(Record):
-    """Announces a versioned set of weights; the tensors follow by ``transport``.
+class WeightGroupSpec(Record, frozen=True):
+    """Where and how to join a weight-broadcast group (``weights.WeightGroup``)."""
 
-    ``inline`` carries them in ``tensors``; ``collective`` sends them afterwards in buckets over a
-    torch.distributed group (``group``); ``cuda_ipc`` passes ``ipc_handles``. Tensor ``i`` has
-    ``names[i]``, ``dtypes[i]``, ``shapes[i]``; buckets hold consecutive tensors, in order.
+    host: str
+    """The sender's TCPStore address."""
+    port: int
+    """The sender's TCPStore port."""
+    world_size: int
+    """The sender plus every receiving worker of every engine (1 + engines * TP * PP, + a keeper)."""
+    rank: int = 0
+    """This member's rank; an engine is given its first worker's, worker w takes rank + w."""
+    backend: Literal["gloo", "nccl"] = "gloo"
+    """gloo on CPU, nccl between GPUs."""
+    timeout_s: float = 120.0
+    """How long joining and each broadcast may take."""
+
+    def __post_init__(self) -> None:
+        if self.world_size < 2:
+            raise ValueError(f"WeightGroupSpec.world_size must be >= 2 (sender + engine), got {self.world_size}")
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"WeightGroupSpec.rank {self.rank} outside [0, {self.world_size})")
+        if not 0 < self.port < 65536:
+            raise ValueError(f"WeightGroupSpec.port {self.port} is not a TCP port")
+        if not self.timeout_s > 0:
+            raise ValueError(f"WeightGroupSpec.timeout_s must be > 0, got {self.timeout_s}")
+
+    def with_rank(self, rank: int) -> WeightGroupSpec:
+        return msgspec.structs.replace(self, rank=rank)
+
+
+class WeightUpdate(Record):
+    """What every weight update says, whatever carries its bytes: a versioned list of tensors.
+
+    Not sent itself: one of its transports' records is (``InlineWeights``, ``CollectiveWeights``,
+    ``IpcWeights``). Tensor ``i`` is ``names[i]`` of ``dtypes[i]`` and ``shapes[i]``; buckets hold
+    consecutive tensors, in order (``treadle.common.weights``).
     """
+
+    transport: ClassVar[Transport]
 
     version: int
     """Weight version these tensors become (monotonic per policy)."""
@@ -282,36 +314,6 @@ class WeightUpdate(Record):
     """Torch dtype names ("bfloat16", "float32", ...), one per tensor."""
     shapes: list[list[int]]
     """Shape of each tensor."""
-    transport: Transport = "inline"
-    """How the bytes travel."""
-    bucket_sizes: list[int] = []
-    """Number of tensors in each bucket (collective / cuda_ipc); empty: one tensor per bucket."""
-    tensors: list[Array] = []
-    """Inline transport only: the tensors themselves."""
-    group: dict[str, Any] = {}
-    """Collective transport: how to join the group (e.g. {"host", "port", "world_size", "rank"})."""
-    ipc_handles: list[bytes] = []
-    """cuda_ipc transport: one serialized handle per bucket (torch.multiprocessing reductions), or
-    with ``ipc_pieces`` one per storage of the sender's own tensors."""
-    ipc_pieces: list[tuple[int, int, int]] = []
-    """cuda_ipc in place: per tensor, (handle index, byte offset, bytes) of the sender's memory
-    holding exactly its bytes (its trained parameter as it is: nothing packed); empty: buckets."""
-    ipc_keep: bool = False
-    """cuda_ipc in place: the sender keeps those storages alive and where they are until its next
-    update, so the engines may keep them mapped until then (their next load maps nothing)."""
-    ipc_event: bool = False
-    """cuda_ipc in place, kept: the engines answer once their copies are queued, not done, each
-    with a CUDA IPC event recorded after them (its handle in the answer's ``events``); the sender
-    makes its stream wait on those events before it writes to the storages again. Without it an
-    engine answers once its copies have finished."""
-    header_id: str = ""
-    """The sender's name for this update's header (names, dtypes, shapes, bucket_sizes,
-    ipc_handles, ipc_pieces): an engine that accepted the header keeps it under this name and
-    says so in its answer (``header``), and a later update may then leave it out (``header_kept``)."""
-    header_kept: bool = False
-    """The header is left out (those six fields are empty): the engine uses the one it kept as
-    ``header_id``, and refuses the update (``HeaderUnknown``, before touching anything) when it
-    holds another. Saves encoding, decoding and checking it again (~2,400 objects for 338 tensors)."""
     canary_token_ids: Array | None = None
     """int32 [C]: fixed prompt the engine scores after loading (optional)."""
     canary_logprobs: Array | None = None
@@ -320,51 +322,70 @@ class WeightUpdate(Record):
     """Largest allowed absolute difference between canary logprobs."""
 
     def __post_init__(self) -> None:
-        if len(self.header_id) > 64:
-            raise ValueError(f"WeightUpdate.header_id has {len(self.header_id)} characters; at most 64: "
-                             f"{self.header_id[:80]!r}...")
-        if self.header_kept:
-            left = [f for f in HEADER_FIELDS if getattr(self, f)]
-            if not self.header_id or left or self.transport == "collective":
-                raise ValueError(f"WeightUpdate.header_kept needs a header_id ({self.header_id!r}), no header fields "
-                                 f"(got {left}) and an inline or cuda_ipc transport ({self.transport})")
-            check_native(self.group, "WeightUpdate.group")
-            return  # the rest is checked once the engine put its kept header back
         n = len(self.names)
         if len(self.dtypes) != n or len(self.shapes) != n:
-            raise ValueError(
-                f"WeightUpdate: {n} names but {len(self.dtypes)} dtypes and {len(self.shapes)} shapes"
-            )
-        if self.transport == "inline" and len(self.tensors) != n:
-            raise ValueError(f"WeightUpdate inline: {n} names but {len(self.tensors)} tensors")
+            raise ValueError(f"{type(self).__name__}: {n} names but {len(self.dtypes)} dtypes and "
+                             f"{len(self.shapes)} shapes")
+        sizes = getattr(self, "bucket_sizes", [])
+        if sizes and (sum(sizes) != n or min(sizes) < 1):
+            raise ValueError(f"{type(self).__name__}.bucket_sizes must be >= 1 each and sum to {n}, "
+                             f"got {sizes[:8]} (sum {sum(sizes)})")
+
+
+class InlineWeights(WeightUpdate):
+    """The tensors inside the message (tests, tiny models: it must fit the frame limit)."""
+
+    transport: ClassVar[Transport] = "inline"
+
+    tensors: list[Array] = []
+    """The tensors themselves, one per name."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if len(self.tensors) != len(self.names):
+            raise ValueError(f"InlineWeights: {len(self.names)} names but {len(self.tensors)} tensors")
         for i, t in enumerate(self.tensors):
             if not is_array(t):
-                raise ValueError(f"WeightUpdate.tensors[{i}] must be an array, got {type(t).__name__}")
+                raise ValueError(f"InlineWeights.tensors[{i}] must be an array, got {type(t).__name__}")
             if list(t.shape) != list(self.shapes[i]):
-                raise ValueError(
-                    f"WeightUpdate.tensors[{i}] ({self.names[i]}) has shape {list(t.shape)}, "
-                    f"header says {self.shapes[i]}"
-                )
-        if self.ipc_pieces:
-            if self.transport != "cuda_ipc" or len(self.ipc_pieces) != n:
-                raise ValueError(f"WeightUpdate.ipc_pieces: {len(self.ipc_pieces)} pieces for {n} tensors over "
-                                 f"{self.transport}; one per tensor, cuda_ipc only")
-            for i, (h, off, nbytes) in enumerate(self.ipc_pieces):
-                if not 0 <= h < len(self.ipc_handles) or off < 0 or nbytes < 0:
-                    raise ValueError(f"WeightUpdate.ipc_pieces[{i}] ({self.names[i]}) = {(h, off, nbytes)}: needs a "
-                                     f"handle index below {len(self.ipc_handles)} and offset, bytes >= 0")
-        if self.ipc_keep and not self.ipc_pieces:
-            raise ValueError("WeightUpdate.ipc_keep is for cuda_ipc updates in place (with ipc_pieces) only")
-        if self.ipc_event and not self.ipc_keep:
-            raise ValueError("WeightUpdate.ipc_event needs ipc_keep: an engine that unmaps the sender's storages "
-                             "must wait for its copies first")
-        if self.bucket_sizes and sum(self.bucket_sizes) != n:
-            raise ValueError(f"WeightUpdate.bucket_sizes sum to {sum(self.bucket_sizes)}, expected {n}")
-        check_native(self.group, "WeightUpdate.group")
+                raise ValueError(f"InlineWeights.tensors[{i}] ({self.names[i]}) has shape {list(t.shape)}, "
+                                 f"header says {self.shapes[i]}")
 
 
-HEADER_FIELDS = ("names", "dtypes", "shapes", "bucket_sizes", "ipc_handles", "ipc_pieces")
-"""The fields of a ``WeightUpdate`` that ``header_kept`` leaves out."""
+class CollectiveWeights(WeightUpdate):
+    """The buckets follow over the sender's broadcast group, one broadcast each, in order."""
+
+    transport: ClassVar[Transport] = "collective"
+
+    bucket_sizes: list[int] = []
+    """Tensors in each bucket; empty: one tensor per bucket."""
+    group: WeightGroupSpec | None = None
+    """The group they travel over (its store's host:port tells one sender's group from another's)."""
+
+
+class IpcWeights(WeightUpdate):
+    """The buckets lie in the sender's GPU memory on the engine's own GPU (colocated), shared
+    by CUDA IPC handles (``treadle.common.ipc``); the sender leaves them untouched until the
+    engines answered, and the engines copy out of them before they answer."""
+
+    transport: ClassVar[Transport] = "cuda_ipc"
+
+    bucket_sizes: list[int] = []
+    """Tensors in each bucket; empty: one tensor per bucket."""
+    handles: list[bytes] = []
+    """One handle per bucket (``ipc.encode_buckets``)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        buckets = len(self.bucket_sizes) if self.bucket_sizes else len(self.names)
+        if len(self.handles) != buckets:
+            raise ValueError(f"IpcWeights: {len(self.handles)} handles for {buckets} buckets")
+
+
+WEIGHT_UPDATES: dict[str, type[WeightUpdate]] = {
+    cls.transport: cls for cls in (InlineWeights, CollectiveWeights, IpcWeights)}
+"""Each transport's record, by transport name."""
+del RECORD_TYPES["WeightUpdate"]  # the shared header: never sent on its own
 
 
 class Control(Record):

@@ -4,20 +4,20 @@
         results = await rc.generate(prompt_ids, SamplingParams(n=4, max_tokens=256, seed=1))
         async for r in rc.stream(GenerateRequest(...)):   # each sample as it finishes
             ...
-        await rc.update_weights(WeightUpdate(version=1, ..., tensors=[...]))       # inline
-        spec, group = await rc.join_weight_group("10.0.0.1", 29500, sender=make_group)
-        await rc.update_weights(update, send=lambda: send_buckets(group, tensors, sizes))
+        await rc.update_weights(InlineWeights(version=1, ..., tensors=[...]))
+        joined, group = await rc.join_weight_group("10.0.0.1", 29500, sender=WeightGroup)
+        await rc.update_weights(CollectiveWeights(..., group=group.spec), send=broadcast_buckets)
 
 Every result names the weight version that produced it. Errors arrive as the exceptions of
-``treadle.common.errors`` (``Busy``, ``BadRequest``, ``EngineDead``, ...) or their rollout
-refinements (``WeightGroupStale``, ``EnginesQuarantined``, ``NoEngine``).
+``treadle.common.errors``, recognised by their wire code (``Busy``, ``BadRequest``,
+``EngineDead``, ``WeightGroupStale``, ``NoWeightGroup``, ``EnginesQuarantined``, ``NoEngine``, ...).
 
 Collective updates: the caller owns the sender's side of the group (it needs torch; this module
 does not import it): ``join_weight_group(..., sender=f)`` calls ``f(spec)`` in a thread once the
-daemon has accepted the join (``spec`` holds host, port, world_size, rank=0, backend,
-timeout_s: what ``GroupSpec`` takes), and ``update_weights(update, send=g)`` calls ``g()`` in a
-thread once the daemon has accepted the update. A refused request is refused before either
-runs, so a sender never broadcasts into a group nobody receives.
+daemon has accepted the join (``spec``: the ``WeightGroupSpec`` of rank 0, the sender), and
+``update_weights(update, send=g)`` calls ``g()`` in a thread once the daemon has accepted the
+update. A refused request is refused before either runs, so a sender never broadcasts into a
+group nobody receives.
 
 Light on purpose: imports neither torch, vLLM nor transformers (tools/check_imports.py checks).
 """
@@ -26,34 +26,38 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import math
-import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any, Literal, TypeVar
 
+import msgspec
 import numpy as np
 
-from treadle.common.errors import BadRequest, TreadleError, UnknownMethod
-from treadle.common.log import get_logger
+from treadle.common.errors import (
+    BadRequest,
+    EnginesQuarantined,
+    NoEngine,
+    NoWeightGroup,
+    TreadleError,
+    WeightGroupStale,
+)
 from treadle.common.records import (
+    CollectiveWeights,
     Control,
     GenerateRequest,
     GenerateResult,
+    InlineWeights,
+    IpcWeights,
     SamplingParams,
-    WeightUpdate,
+    WeightGroupSpec,
 )
 from treadle.common.rpc import ClientCurve, LoopThread, RpcClient
-from treadle.rollout.direct import DirectRoute, is_local
-from treadle.rollout.errors import EnginesQuarantined, NoEngine, WeightGroupStale, refine
 
 T = TypeVar("T")
-log = get_logger(__name__)
-BOOK_TIMEOUT_S = 60.0  # the front end books a direct update's outcome within this
 UPDATE_TIMEOUT_S = 1800.0  # a weight load may take long; bounded so a dead daemon is noticed
 
-__all__ = ["EnginesQuarantined", "NoEngine", "RolloutClient", "SyncRolloutClient", "WeightGroupStale",
-           "make_request"]
+__all__ = ["EnginesQuarantined", "NoEngine", "NoWeightGroup", "RolloutClient", "SyncRolloutClient",
+           "WeightGroupStale", "make_request"]
 
 
 def make_request(prompt: GenerateRequest | Sequence[int] | np.ndarray, sampling: SamplingParams | None = None,
@@ -75,14 +79,8 @@ class RolloutClient:
         self._rpc = RpcClient(endpoint, name="rollout", curve=curve, timeout_s=timeout_s)
         self._generate_timeout = generate_timeout_s
         self.endpoint = self._rpc.endpoint
-        self._direct: DirectRoute | None = None  # direct updates: the engines' workers (``direct``)
-        self._direct_off = ""  # why this daemon's engines are not updated directly from here
-        self._booking: asyncio.Future[None] | None = None  # the front end booking the last direct update
 
     async def close(self) -> None:
-        with contextlib.suppress(Exception):
-            await self._booked()
-        await self._drop_route()
         await self._rpc.close()
 
     async def __aenter__(self) -> RolloutClient:
@@ -92,11 +90,7 @@ class RolloutClient:
         await self.close()
 
     async def _call(self, method: str, msg: Any = None, timeout: float | None = None) -> Any:
-        await self._booked()  # what the daemon answers reflects the last direct update
-        try:
-            return await self._rpc.call(method, msg, timeout=timeout)
-        except TreadleError as e:
-            raise refine(e) from None
+        return await self._rpc.call(method, msg, timeout=timeout)
 
     # ------------------------------------------------------------------ generation
 
@@ -105,11 +99,8 @@ class RolloutClient:
                      min_version: int = -1) -> AsyncIterator[GenerateResult]:
         """Yield each sample as it finishes (finishing order; ``result.index`` says which)."""
         req = make_request(prompt, sampling, key=key, min_version=min_version)
-        try:
-            async for res in self._rpc.stream("generate", req, timeout=self._generate_timeout):
-                yield res
-        except TreadleError as e:
-            raise refine(e) from None
+        async for res in self._rpc.stream("generate", req, timeout=self._generate_timeout):
+            yield res
 
     async def generate(self, prompt: GenerateRequest | Sequence[int] | np.ndarray,
                        sampling: SamplingParams | None = None, *, key: str = "",
@@ -133,116 +124,52 @@ class RolloutClient:
 
     # ------------------------------------------------------------------ weights
 
-    async def update_weights(self, update: WeightUpdate, *, mode: Literal["wait", "abort"] = "wait",
-                             send: Callable[[], Any] | None = None, timeout: float = UPDATE_TIMEOUT_S,
-                             direct: bool = False) -> dict[str, Any]:
-        """Load ``update`` into every engine; returns ``{"version", "updated", "failed", "loads"}``
-        (``loads``: per engine that took it, the wall-clock stamps of its load, ``Engine.last_load``;
-        with ``update.ipc_event``, ``events`` too: per engine that answered before its copies
-        finished, the handle of the CUDA IPC event recorded after them, to wait on).
+    async def update_weights(self, update: InlineWeights | IpcWeights | CollectiveWeights, *,
+                             mode: Literal["wait", "abort"] = "wait", send: Callable[[], Any] | None = None,
+                             timeout: float = UPDATE_TIMEOUT_S) -> dict[str, Any]:
+        """Load ``update`` into every engine; returns ``{"version", "updated": [engine ids],
+        "failed": {engine id: why}, "loads": {engine id: stamps}}`` (stamps: wall-clock times of
+        that engine's load: ``received`` by the daemon, then ``Engine.last_load``'s ``called``,
+        ``loading``, ``loaded``, ``done``).
 
         ``mode="wait"``: in-flight samples finish on the old weights first; ``"abort"``: they end
         with finish_reason "abort". A collective update needs ``send`` (the sender's broadcast,
-        run in a thread after the daemon accepted the update).
-
-        ``direct``: an inline or cuda_ipc update goes straight to the engines' workers when this
-        client runs on the daemon's host, and the daemon is told afterwards (``direct``; the
-        report then says ``"direct": True``); elsewhere it is relayed as usual. The daemon keeps
-        no weights from it to bring new engines up to date. An update that names its header
-        (``header_id``) goes direct without it to the engines that keep it (``DirectRoute``).
+        run in a thread after the daemon accepted the update); the others must not have it.
+        Raises ``EnginesQuarantined`` when an engine's canary failed, ``WeightGroupStale`` /
+        ``NoWeightGroup`` (collective, before anything was sent), or the engines' error when
+        none loaded it.
         """
-        if (update.transport == "collective") != (send is not None):
-            raise BadRequest("a collective update needs send= (the sender's broadcast); an inline one must not have it")
+        if isinstance(update, CollectiveWeights) != (send is not None):
+            raise BadRequest("a collective update needs send= (the sender's broadcast); an inline or cuda_ipc one "
+                             "must not have it")
         method = "update_weights_abort" if mode == "abort" else "update_weights"
-        if direct and send is None:
-            begun = time.time()
-            route = await self._route()
-            if route is not None:
-                report, booking, error = await route.update(method, update, timeout, begun)
-                self._booking = asyncio.ensure_future(self._book(route, booking))
-                if error is not None:
-                    raise error
-                return report
         on_accepted = None if send is None else (lambda spec: send())
         return (await self._two_step(method, update, on_accepted, timeout))[0]
 
-    async def _route(self) -> DirectRoute | None:
-        """The engines' workers to update directly (read from the daemon once, while their
-        connections stay up), or None: relay through the daemon."""
-        if self._direct is not None:
-            if self._direct.usable():
-                return self._direct
-            await self._drop_route()
-        if self._direct_off:
-            return None
-        if not is_local(self.endpoint):
-            self._direct_off = f"the daemon at {self.endpoint} is not on this host"
-            return None
-        try:
-            args = dict((await self._call("weight_route")).args)
-        except UnknownMethod:
-            self._direct_off = "the daemon does not offer direct updates (an older version)"
-            return None
-        self._direct = await DirectRoute.open(args)
-        if self._direct is None:
-            log.info("weights: relaying this update through the daemon at %s: its engines' workers %s do not "
-                     "answer from here", self.endpoint, sorted(args.get("engines", {}).values()))
-        return self._direct
-
-    async def _book(self, route: DirectRoute, booking: dict[str, Any]) -> None:
-        """Tell the daemon what the engines answered a direct update; forget the route when it
-        is stale (the pool's engines changed) or the daemon could not book it."""
-        try:
-            answer = await self._rpc.call("weights_loaded", Control(op="loaded", args=booking), timeout=BOOK_TIMEOUT_S)
-            stale = str(answer.args.get("stale", ""))
-        except TreadleError as e:
-            stale = f"it could not book weight version {booking['version']}: {e}"
-            log.warning("weights: the daemon at %s: %s", self.endpoint, stale)
-        if stale and self._direct is route:
-            log.info("weights: reading the daemon's engines again before the next direct update (%s)", stale)
-            await self._drop_route()
-
-    async def _booked(self) -> None:
-        """Wait until the daemon has booked the last direct update (a no-op when it has)."""
-        booking, self._booking = self._booking, None
-        if booking is not None:
-            await asyncio.wait([booking])
-
-    async def _drop_route(self) -> None:
-        route, self._direct = self._direct, None
-        if route is not None:
-            await route.close()
-
     async def join_weight_group(self, host: str, port: int, *, backend: Literal["gloo", "nccl"] = "gloo",
-                                timeout_s: float = 120.0,
-                                sender: Callable[[dict[str, Any]], T] | None = None) -> tuple[dict[str, Any], T | None]:
+                                timeout_s: float = 120.0, sender: Callable[[WeightGroupSpec], T] | None = None,
+                                ) -> tuple[dict[str, Any], T | None]:
         """Have every engine (and the daemon's weight keeper) join the sender's group.
 
-        ``sender(spec)`` builds the sender's side (rank 0, which hosts the TCPStore at
-        ``host:port``); it runs in a thread once the daemon accepted. Returns (the daemon's
-        ``joined`` answer: world_size, members' ranks, keeper_rank; what ``sender`` returned).
+        ``sender(spec)`` builds the sender's side (``spec``: rank 0, which hosts the TCPStore at
+        ``host:port``, and the group's world size); it runs in a thread once the daemon accepted.
+        Returns (the daemon's ``joined`` answer: ``world_size``, ``members`` {engine id: first
+        rank}, ``keeper_rank``; what ``sender`` returned).
         """
         args = {"host": host, "port": port, "backend": backend, "timeout_s": timeout_s}
-        done, made = await self._two_step("join_weight_group", Control(op="join", args=args), sender,
-                                          timeout_s + 60.0)
-        return done, made
+        return await self._two_step("join_weight_group", Control(op="join", args=args), sender, timeout_s + 60.0)
 
-    async def _two_step(self, method: str, msg: Any, on_accepted: Callable[[dict[str, Any]], Any] | None,
+    async def _two_step(self, method: str, msg: Any, on_accepted: Callable[[WeightGroupSpec], Any] | None,
                         timeout: float) -> tuple[dict[str, Any], Any]:
         """Stream ``method``: run ``on_accepted(spec)`` in a thread at "accepted"; return the last answer."""
         side: asyncio.Future[Any] | None = None
         final: dict[str, Any] = {}
-        await self._booked()
         try:
             async for ctl in self._rpc.stream(method, msg, timeout=timeout):
                 if ctl.op == "accepted" and on_accepted is not None:
-                    spec = {k: ctl.args[k] for k in ("host", "port", "world_size", "rank", "backend", "timeout_s")
-                            if k in ctl.args}
-                    side = asyncio.ensure_future(asyncio.to_thread(on_accepted, spec))
+                    side = asyncio.ensure_future(asyncio.to_thread(on_accepted, _spec(ctl.args)))
                 elif ctl.op != "accepted":
                     final = dict(ctl.args)
-        except TreadleError as e:
-            raise refine(e) from None
         finally:
             if side is not None:  # the sender's collective must end (or time out) before we return
                 await asyncio.wait([side])
@@ -250,12 +177,6 @@ class RolloutClient:
 
     async def leave_weight_group(self) -> None:
         await self._call("leave_weight_group")
-
-    async def arm_weights(self, update: WeightUpdate) -> dict[str, Any]:
-        """Have the engines get ready for ``update`` (collective, the next version; canary left
-        out) before it is sent: they pause and wait for the sender's ``WeightGroup.signal``
-        (``Engine.arm_weights``). Returns ``{"version", "armed", "failed"}``."""
-        return dict((await self._call("arm_weights", update)).args)
 
     # ------------------------------------------------------------------ control
 
@@ -300,6 +221,15 @@ class RolloutClient:
             if loop.time() > deadline:
                 raise TimeoutError(f"rollout daemon at {self.endpoint} not ready within {timeout:g} s")
             await asyncio.sleep(0.2)
+
+
+def _spec(args: dict[str, Any]) -> WeightGroupSpec:
+    """The sender's ``WeightGroupSpec`` from the daemon's "accepted" answer."""
+    fields = {k: args[k] for k in WeightGroupSpec.__struct_fields__ if k in args}
+    try:
+        return msgspec.convert(fields, WeightGroupSpec)
+    except msgspec.ValidationError as e:
+        raise BadRequest(f"the daemon accepted with a group the sender cannot join: {e}") from None
 
 
 class SyncRolloutClient:

@@ -27,10 +27,9 @@ from collections.abc import Iterable
 from typing import Any
 
 from treadle.common import env
-from treadle.common.errors import EngineDead, RequestTimeout, TreadleError
+from treadle.common.errors import EngineDead, NoEngine, RequestTimeout, TreadleError
 from treadle.common.log import get_logger
 from treadle.rollout.config import ServeConfig, engine_fields, placement
-from treadle.rollout.errors import NoEngine, tagged
 from treadle.rollout.handle import EngineHandle
 from treadle.rollout.telemetry import PoolMetrics
 from treadle.rollout.updates import WeightCoordinator
@@ -249,9 +248,9 @@ class EnginePool:
                 return best
             left = deadline - time.monotonic()
             if left <= 0:
-                raise tagged(NoEngine, f"waited {self.cfg.route_timeout_s:g} s (--route_timeout_s) for an "
-                                       f"engine at weight version >= {max(min_version, self.version)}; "
-                                       f"engines: {self._states()}")
+                raise NoEngine(f"no engine can serve: waited {self.cfg.route_timeout_s:g} s (--route_timeout_s) "
+                               f"for an engine at weight version >= {max(min_version, self.version)}; "
+                               f"engines: {self._states()}")
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._changed.wait(), left)
 

@@ -5,19 +5,12 @@ Methods (records of ``treadle.common.records``; errors come back as typed ``Erro
     generate (stream)            GenerateRequest -> one GenerateResult per sample as it finishes
     prompt_logprobs              GenerateRequest -> GenerateResult(prompt_logprobs=[P-1])
     abort                        Control(args={"key"}) -> Control(args={"aborted"})
-    update_weights[_abort]       WeightUpdate -> stream: Control("accepted"),
-                                 Control("updated", version, updated, failed, loads)
+    update_weights[_abort]       InlineWeights | IpcWeights | CollectiveWeights -> stream:
+                                 Control("accepted"), Control("updated", version, updated, failed, loads)
     join_weight_group (stream)   Control(args={host, port, backend, timeout_s})
-                                 -> Control("accepted", world_size, ...), Control("joined")
+                                 -> Control("accepted", WeightGroupSpec fields, ranks, keeper_rank),
+                                 Control("joined", world_size, members, keeper_rank)
     leave_weight_group           -> Ack
-    arm_weights                  WeightUpdate (collective, the next version) -> Control("armed",
-                                 version, armed, failed): the engines pause and wait for the
-                                 sender's signal (``Engine.arm_weights``)
-    weight_route                 -> Control("route", epoch, engines={id: endpoint}): where a client
-                                 on this host sends a direct update (``updates.route``)
-    weights_loaded               Control(args={version, epoch, updated, quarantined, failed})
-                                 -> Control("booked", version, booked, stale): a direct update's
-                                 outcome, booked as a relayed one's
     sleep / wake / reset_prefix_cache / weight_digest -> Control(args={engine id: answer})
     scale                        Control(args={"engines": M}) -> Control(args={added, removed})
     health / stats               -> Control(args=...)
@@ -41,7 +34,7 @@ from typing import Any
 from treadle.common.errors import BadRequest, Busy, EngineDead, TreadleError
 from treadle.common.log import get_logger
 from treadle.common.metrics import ServiceMetrics
-from treadle.common.records import Control, GenerateRequest, GenerateResult, WeightUpdate
+from treadle.common.records import CollectiveWeights, Control, GenerateRequest, GenerateResult
 from treadle.common.rpc import RpcServer, load_server_keys
 from treadle.rollout import dispatch
 from treadle.rollout.config import ServeConfig
@@ -91,7 +84,6 @@ class RolloutServer:
             "generate": self.generate, "prompt_logprobs": self.prompt_logprobs, "abort": self.abort,
             "update_weights": self.update_weights, "update_weights_abort": self.update_weights_abort,
             "join_weight_group": self.join_weight_group, "leave_weight_group": self.leave_weight_group,
-            "arm_weights": self.arm_weights, "weight_route": self.weight_route, "weights_loaded": self.weights_loaded,
             "sleep": self.sleep, "wake": self.wake, "reset_prefix_cache": self.reset_prefix_cache,
             "weight_digest": self.weight_digest, "scale": self.scale, "health": self.health,
             "stats": self.stats,
@@ -176,17 +168,13 @@ class RolloutServer:
     # ------------------------------------------------------------------ weights
 
     async def update_weights(self, msg: Any, ctx: Any, mode: str = "wait") -> AsyncIterator[Control]:
-        update = _expect(msg, WeightUpdate)
-        if update.transport == "collective":
-            async for item in self.pool.weights.update_collective(update, mode):
+        if isinstance(msg, CollectiveWeights):
+            async for item in self.pool.weights.update_collective(msg, mode):
                 yield item
             return
-        if update.transport not in ("inline", "cuda_ipc"):
-            raise BadRequest(f"the rollout daemon takes inline, collective or cuda_ipc updates, not {update.transport!r}")
-        self.pool.weights.check(update, update.transport)  # refuse before "accepted"
-        yield Control(op="accepted", args={"version": update.version})
-        report = await self.pool.weights.update_inline(update, mode)
-        yield Control(op="updated", args=report)
+        self.pool.weights.check(msg)  # refuse before "accepted"
+        yield Control(op="accepted", args={"version": msg.version})
+        yield Control(op="updated", args=await self.pool.weights.update_fanned(msg, mode))
 
     async def update_weights_abort(self, msg: Any, ctx: Any) -> AsyncIterator[Control]:
         async for item in self.update_weights(msg, ctx, mode="abort"):
@@ -198,15 +186,6 @@ class RolloutServer:
 
     async def leave_weight_group(self, msg: Any, ctx: Any) -> None:
         await self.pool.weights.leave()
-
-    async def arm_weights(self, msg: Any, ctx: Any) -> Control:
-        return Control(op="armed", args=await self.pool.weights.arm(_expect(msg, WeightUpdate)))
-
-    async def weight_route(self, msg: Any, ctx: Any) -> Control:
-        return Control(op="route", args=self.pool.weights.route())
-
-    async def weights_loaded(self, msg: Any, ctx: Any) -> Control:
-        return Control(op="booked", args=await self.pool.weights.book(_args(_expect(msg, Control))))
 
     # ------------------------------------------------------------------ control
 

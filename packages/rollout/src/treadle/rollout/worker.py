@@ -7,10 +7,9 @@ an ``ipc://`` (or loopback tcp) endpoint, one method per ``Engine`` method:
     generate (stream)           GenerateRequest -> GenerateResult per sample
     prompt_logprobs             GenerateRequest -> GenerateResult(prompt_logprobs=...)
     abort                       Control(args={"key"}) -> Control(args={"aborted"})
-    update_weights[_abort]      WeightUpdate (inline or cuda_ipc) -> Control(args={"version", "load"[, "event"]})
-    join_weight_group           Control(args=GroupSpec fields) -> Ack
-    receive_weights[_abort]     WeightUpdate (collective) -> Control(args={"version"})
-    arm_weights                 WeightUpdate (collective, the next one) -> Control(args={"version"})
+    update_weights[_abort]      InlineWeights | IpcWeights -> Control(args={"version", "load"})
+    join_weight_group           WeightGroupSpec (this engine's first rank) -> Ack
+    receive_weights[_abort]     CollectiveWeights -> Control(args={"version", "load"})
     leave_weight_group, wake, reset_prefix_cache -> Ack
     sleep                       Control(args={"level"}) -> Control(args=SleepState fields)
     weight_digest               -> Control(args={"digest"})
@@ -83,7 +82,7 @@ class WorkerService:
             "generate": self.generate, "prompt_logprobs": self.prompt_logprobs, "abort": self.abort,
             "update_weights": self.update_weights, "update_weights_abort": self.update_weights_abort,
             "join_weight_group": self.join_weight_group, "receive_weights": self.receive_weights,
-            "receive_weights_abort": self.receive_weights_abort, "arm_weights": self.arm_weights,
+            "receive_weights_abort": self.receive_weights_abort,
             "leave_weight_group": self.leave_weight_group, "sleep": self.sleep, "wake": self.wake,
             "reset_prefix_cache": self.reset_prefix_cache, "weight_digest": self.weight_digest,
             "stats": self.stats, "health": self.stats, "close": self.close,
@@ -109,28 +108,21 @@ class WorkerService:
         return _control("abort", aborted=await self.engine.abort(key))
 
     async def update_weights(self, msg: Any, ctx: Any, mode: str = "wait") -> Any:
-        v = await self.engine.update_weights(_expect(msg, "WeightUpdate"), mode=mode)
-        event = {"event": self.engine.last_event} if self.engine.last_event else {}
-        header = {"header": self.engine.header_id} if self.engine.header_id else {}  # a later update may leave it out
-        return _control("update_weights", version=v, load=dict(self.engine.last_load), **event, **header)
+        v = await self.engine.update_weights(_expect(msg, "InlineWeights", "IpcWeights"), mode=mode)
+        return _control("update_weights", version=v, load=dict(self.engine.last_load))
 
     async def update_weights_abort(self, msg: Any, ctx: Any) -> Any:
         return await self.update_weights(msg, ctx, mode="abort")
 
     async def join_weight_group(self, msg: Any, ctx: Any) -> None:
-        await self.engine.join_weight_group(dict(_expect(msg, "Control").args))
+        await self.engine.join_weight_group(_expect(msg, "WeightGroupSpec"))
 
     async def receive_weights(self, msg: Any, ctx: Any, mode: str = "wait") -> Any:
-        v = await self.engine.receive_weights(_expect(msg, "WeightUpdate"), mode=mode)
+        v = await self.engine.receive_weights(_expect(msg, "CollectiveWeights"), mode=mode)
         return _control("receive_weights", version=v, load=dict(self.engine.last_load))
 
     async def receive_weights_abort(self, msg: Any, ctx: Any) -> Any:
         return await self.receive_weights(msg, ctx, mode="abort")
-
-    async def arm_weights(self, msg: Any, ctx: Any) -> Any:
-        update = _expect(msg, "WeightUpdate")
-        await self.engine.arm_weights(update)
-        return _control("arm_weights", version=update.version)
 
     async def leave_weight_group(self, msg: Any, ctx: Any) -> None:
         await self.engine.leave_weight_group()
@@ -156,11 +148,11 @@ class WorkerService:
         asyncio.get_running_loop().call_soon(self._stop.set)
 
 
-def _expect(msg: Any, wire_name: str) -> Any:
+def _expect(msg: Any, *wire_names: str) -> Any:
     from treadle.common.errors import BadRequest
 
-    if msg is None or type(msg).__name__ != wire_name:
-        raise BadRequest(f"expected a {wire_name}, got {type(msg).__name__}")
+    if msg is None or type(msg).__name__ not in wire_names:
+        raise BadRequest(f"expected a {' or '.join(wire_names)}, got {type(msg).__name__}")
     return msg
 
 

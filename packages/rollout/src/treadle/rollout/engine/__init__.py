@@ -14,10 +14,10 @@ import importlib
 from collections.abc import Iterator, Mapping
 from typing import Any, Literal
 
+from treadle.common.errors import CanaryMismatch, WeightMismatch
 from treadle.rollout.engine.base import Engine, PauseMode
-from treadle.rollout.engine.group import GroupSpec
 from treadle.rollout.engine.state import EngineStats, SleepState
-from treadle.rollout.engine.weights import CanaryMismatch, WeightMismatch, WeightSpec
+from treadle.rollout.engine.weights import WeightSpec
 
 BackendName = Literal["vllm", "hf"]
 
@@ -47,5 +47,5 @@ class _LazyEngines(Mapping[str, tuple[type[Engine], type[Any]]]):
 
 ENGINES: Mapping[str, tuple[type[Engine], type[Any]]] = _LazyEngines()
 
-__all__ = ["ENGINES", "BackendName", "CanaryMismatch", "Engine", "EngineStats", "GroupSpec",
-           "PauseMode", "SleepState", "WeightMismatch", "WeightSpec"]
+__all__ = ["ENGINES", "BackendName", "CanaryMismatch", "Engine", "EngineStats", "PauseMode", "SleepState",
+           "WeightMismatch", "WeightSpec"]

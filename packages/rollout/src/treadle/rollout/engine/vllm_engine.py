@@ -11,7 +11,8 @@ applied by us as stop tokens (vLLM's generation-config handling is off), as in t
 
 Weights: inline updates are staged as one safetensors file (``staging_dir``, /dev/shm by default)
 that each worker memory-maps; collective updates stream buckets from the sender's group straight
-into ``reload_weights`` (``vllm_worker_ext``). vLLM's own weight-transfer API ships CUDA/NIXL/Ray
+into ``reload_weights``, and cuda_ipc ones (GPU, one worker, colocated with the sender) map the
+sender's buckets there (``vllm_worker_ext``). vLLM's own weight-transfer API ships CUDA/NIXL/Ray
 backends only and has the same tied-embedding flaw on CPU, so it is not used.
 
 What this module does not do: run several engines (one engine per process in the daemon).
@@ -31,17 +32,27 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+import msgspec
 import numpy as np
 
 from treadle.common.env import scoped_environ
 from treadle.common.errors import BadRequest, EngineDead
-from treadle.common.records import FinishReason, GenerateRequest, GenerateResult, WeightUpdate
+from treadle.common.ipc import IpcHandleError
+from treadle.common.records import (
+    CollectiveWeights,
+    FinishReason,
+    GenerateRequest,
+    GenerateResult,
+    InlineWeights,
+    IpcWeights,
+    WeightGroupSpec,
+)
 from treadle.rollout.engine.base import Engine
-from treadle.rollout.engine.group import GroupSpec
 from treadle.rollout.engine.state import SleepState
 from treadle.rollout.engine.weights import (
     WeightSpec,
     as_tensor,
+    check_ipc_buckets,
     model_eos_ids,
     spec_from_checkpoint,
 )
@@ -164,6 +175,7 @@ class VllmEngine(Engine):
     """Engine over ``vllm.v1.engine.async_llm.AsyncLLM``."""
 
     backend = "vllm"
+    _uuid: str | None = None  # the worker's GPU, asked at the first cuda_ipc update (``_check_ipc``)
 
     def __init__(self, config: VllmEngineConfig) -> None:
         super().__init__(engine_id=config.engine_id, initial_version=config.initial_version)
@@ -265,7 +277,7 @@ class VllmEngine(Engine):
 
     # ------------------------------------------------------------------ weights
 
-    async def _load(self, update: WeightUpdate, tensors: list[Any]) -> None:
+    async def _load(self, update: InlineWeights, tensors: list[Any]) -> None:
         from safetensors.torch import save_file
 
         folder = self.config.staging_dir or ("/dev/shm" if Path("/dev/shm").is_dir() else None)
@@ -275,17 +287,37 @@ class VllmEngine(Engine):
             await self._rpc("treadle_load_file", path, list(update.names), sorted(self.weight_spec.skip))
         await self._llm.update_weight_version(str(update.version))
 
-    async def _join_group(self, spec: GroupSpec) -> None:
-        await self._rpc("treadle_join_group", spec.as_dict())
+    async def _check_ipc(self, update: IpcWeights) -> None:
+        cfg = self.config
+        if self._on_cpu:
+            raise BadRequest(f"engine {self.engine_id}: vLLM on CPU does not take cuda_ipc weight updates (they "
+                             "share the sender's GPU memory): send them collective or inline")
+        if cfg.tensor_parallel_size * cfg.pipeline_parallel_size > 1:
+            raise BadRequest(f"engine {self.engine_id} has {cfg.tensor_parallel_size * cfg.pipeline_parallel_size} "
+                             "workers on as many GPUs; cuda_ipc shares one GPU's buckets: send collective updates")
+        handles = check_ipc_buckets(update)
+        if self._uuid is None:  # asked once: the front end has no CUDA context of the worker's
+            self._uuid = str((await self._rpc("treadle_device_uuid"))[0])
+        if handles and handles[0].device_uuid != self._uuid:
+            raise IpcHandleError(f"cuda_ipc: the sender's buffer is on GPU {handles[0].device_uuid}, engine "
+                                 f"{self.engine_id} on {self._uuid}: colocate them (same GPU) or send collective")
 
-    async def _receive(self, update: WeightUpdate) -> None:
+    async def _load_ipc(self, update: IpcWeights) -> None:
+        await self._rpc("treadle_load_ipc", list(update.handles), list(update.names), list(update.dtypes),
+                        [list(s) for s in update.shapes], list(update.bucket_sizes), sorted(self.weight_spec.skip))
+        await self._llm.update_weight_version(str(update.version))
+
+    async def _join_group(self, spec: WeightGroupSpec) -> None:
+        await self._rpc("treadle_join_group", msgspec.structs.asdict(spec))
+
+    async def _receive(self, update: CollectiveWeights) -> None:
         await self._rpc("treadle_receive", list(update.names), list(update.dtypes),
                         [list(s) for s in update.shapes], list(update.bucket_sizes), sorted(self.weight_spec.skip))
         await self._llm.update_weight_version(str(update.version))
 
-    async def _discard(self, update: WeightUpdate) -> None:
-        await self._rpc("treadle_discard", list(update.names), list(update.dtypes),
-                        [list(s) for s in update.shapes], list(update.bucket_sizes))
+    async def _discard(self, update: CollectiveWeights) -> None:
+        await self._rpc("treadle_discard", list(update.dtypes), [list(s) for s in update.shapes],
+                        list(update.bucket_sizes))
 
     async def _leave_group(self) -> None:
         await self._rpc("treadle_leave_group")

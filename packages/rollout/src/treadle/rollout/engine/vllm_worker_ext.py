@@ -3,7 +3,8 @@
 vLLM mixes this class into its worker class (``worker_extension_cls``); the engine front end calls
 the ``treadle_*`` methods on every worker through ``AsyncLLM.collective_rpc``. Arguments cross
 the process boundary as msgpack, so tensors never travel through the RPC: inline updates come as
-a staged safetensors file path, collective updates as buckets over a ``group.WeightGroup``.
+a staged safetensors file path, collective updates as buckets over a ``common.weights.WeightGroup``,
+cuda_ipc updates as the handles of the sender's buckets on this worker's GPU (``common.ipc``).
 
 Loading goes through the model runner's ``reload_weights`` (``model.load_weights`` alone does not
 work on CPU: the weights are repacked after loading). After every reload of a model with tied
@@ -16,10 +17,11 @@ or pause generation (the front end holds the engine while these run).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from treadle.rollout.engine.group import GroupSpec, WeightGroup, receive_buckets
+from treadle.common.records import WeightGroupSpec
+from treadle.common.weights import WeightGroup, bucket_ranges, bucket_views, receive_buckets
 
 if TYPE_CHECKING:
     import torch
@@ -49,11 +51,38 @@ class TreadleWorkerExtension:
 
         self._treadle_reload(tensors())
 
+    def treadle_device_uuid(self) -> str:
+        """This worker's GPU (``ipc.device_uuid``), which a cuda_ipc sender's buffer must be on."""
+        from treadle.common.ipc import device_uuid
+
+        return device_uuid(self.device)
+
+    def treadle_load_ipc(self, handles: Sequence[bytes], names: Sequence[str], dtypes: Sequence[str],
+                         shapes: Sequence[Sequence[int]], bucket_sizes: Sequence[int], skip: Sequence[str]) -> None:
+        """Map the sender's buckets (one handle each, on this worker's GPU), load their tensors,
+        wait for the copies, unmap."""
+        import torch
+
+        from treadle.common.ipc import open_handles
+
+        flats = buckets = None
+        try:
+            flats = open_handles(list(handles), self.device)  # checks the buffer is on this GPU
+            buckets = ((lo, hi, bucket_views(flat, dtypes[lo:hi], shapes[lo:hi]))
+                       for (lo, hi), flat in zip(bucket_ranges(bucket_sizes, len(names)), flats, strict=True))
+            self._treadle_reload(_named(names, frozenset(skip), buckets))
+        finally:
+            # The loader's copies must have read the sender's memory before it is unmapped (the
+            # last reference dropped here) and before the sender writes to it again (once we answer).
+            if flats is not None:
+                torch.cuda.synchronize(self.device)
+            flats = buckets = None
+
     def treadle_join_group(self, group: dict[str, Any]) -> int:
         """Join the sender's group as rank ``group["rank"] + this worker's rank``; returns it."""
         if self._treadle_group is not None:
             self._treadle_group.close()
-        spec = GroupSpec.from_dict(group)
+        spec = WeightGroupSpec(**group)
         spec = spec.with_rank(spec.rank + self.rank)
         self._treadle_group = WeightGroup(spec)
         return spec.rank
@@ -61,14 +90,13 @@ class TreadleWorkerExtension:
     def treadle_receive(self, names: Sequence[str], dtypes: Sequence[str], shapes: Sequence[Sequence[int]],
                         bucket_sizes: Sequence[int], skip: Sequence[str]) -> None:
         """Receive the buckets of one update and load them while they arrive."""
-        self._treadle_reload(receive_buckets(self._treadle_require_group(), names, dtypes, shapes,
-                                             bucket_sizes, device=str(self.device), skip=frozenset(skip)))
+        buckets = receive_buckets(self._treadle_require_group(), dtypes, shapes, bucket_sizes, device=str(self.device))
+        self._treadle_reload(_named(names, frozenset(skip), buckets))
 
-    def treadle_discard(self, names: Sequence[str], dtypes: Sequence[str], shapes: Sequence[Sequence[int]],
+    def treadle_discard(self, dtypes: Sequence[str], shapes: Sequence[Sequence[int]],
                         bucket_sizes: Sequence[int]) -> None:
         """Receive the buckets of a refused update and drop them (keeps the sender unblocked)."""
-        for _ in receive_buckets(self._treadle_require_group(), names, dtypes, shapes, bucket_sizes,
-                                 device=str(self.device)):
+        for _ in receive_buckets(self._treadle_require_group(), dtypes, shapes, bucket_sizes, device=str(self.device)):
             pass
 
     def treadle_leave_group(self) -> None:
@@ -93,3 +121,13 @@ class TreadleWorkerExtension:
         method = getattr(head, "quant_method", None)  # absent on pipeline ranks without the head
         if method is not None:
             method.process_weights_after_loading(head)
+
+
+def _named(names: Sequence[str], skip: frozenset[str],
+           buckets: Iterable[tuple[int, int, list[torch.Tensor]]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` for every tensor of ``buckets`` (``(lo, hi, views)``, as they come),
+    but those in ``skip`` (received, since the sender sends them, not loaded)."""
+    for lo, hi, views in buckets:
+        for name, view in zip(names[lo:hi], views, strict=True):
+            if name not in skip:
+                yield name, view

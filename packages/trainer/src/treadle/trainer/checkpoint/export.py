@@ -40,7 +40,7 @@ def full_state_dict(engine: Any, *, zero_stage: int, is_main: bool) -> dict[str,
         # AutoTP shards are gathered (with ZeRO-3's partitions) by DeepSpeed's own consolidation;
         # named "16bit", it returns the parameters in their training dtype.
         return engine._consolidated_16bit_state_dict()  # noqa: SLF001
-    from treadle.trainer.weights.gather import is_4bit  # noqa: PLC0415
+    from treadle.trainer.weights.plan import is_4bit  # noqa: PLC0415
 
     if is_4bit(module):  # QLoRA: the 4-bit base dequantized, adapters merged at full precision
         return _planned(module, is_main, zero3=zero_stage == 3)
@@ -68,7 +68,8 @@ def _planned(module: torch.nn.Module, is_main: bool, *, zero3: bool) -> dict[str
     (the same names the engines load)."""
     from peft import PeftModel  # noqa: PLC0415
 
-    from treadle.trainer.weights.gather import gathered, plan  # noqa: PLC0415
+    from treadle.trainer.weights.gather import walk  # noqa: PLC0415
+    from treadle.trainer.weights.plan import plan  # noqa: PLC0415
 
     if not isinstance(module, PeftModel):
         raise NotImplementedError("exporting a value model (reward model / critic) with LoRA adapters trained "
@@ -76,7 +77,7 @@ def _planned(module: torch.nn.Module, is_main: bool, *, zero3: bool) -> dict[str
                                   "without --ds.load_in_4bit")
     items = plan(module)
     out: dict[str, torch.Tensor] = {}
-    for lo, hi in gathered(items, [1] * len(items), zero3=zero3):
+    for lo, hi in walk(items, [1] * len(items), zero3=zero3):
         if is_main:
             for it in items[lo:hi]:
                 out[it.name] = it.value().to(it.dtype).cpu().clone()  # merged in fp32, saved as trained

@@ -90,9 +90,8 @@ class VLLMConfig:
     """GPUs per engine (tensor parallel)."""
     sync_backend: Literal["nccl", "gloo", "cuda_ipc"] = "nccl"
     """How new weights reach the engines: a broadcast over NCCL or gloo (gloo on CPU), or
-    cuda_ipc: engines on rank 0's GPU map its parameters (where they are whole there; else its
-    packed buckets) and copy from them (the hf backend; NCCL cannot hold two processes of one GPU
-    in a group)."""
+    cuda_ipc: engines on rank 0's GPU copy them out of its packed buckets (colocated; NCCL cannot
+    hold two processes of one GPU in a group)."""
     sync_with_ray: bool = False
     """Send weights through Ray's object store instead of a collective."""
     enable_prefix_caching: bool = False
@@ -105,15 +104,6 @@ class VLLMConfig:
     """Share of GPU memory an engine may take (of host memory for the CPU build)."""
     bucket_mb: int = 256
     """Weight broadcast bucket size in MB (0: one tensor per broadcast)."""
-    sync_peer_reads: bool = True
-    """ZeRO-3 on GPUs of one host: rank 0 reads the other ranks' partitions over CUDA IPC for a
-    weight sync (nothing runs on their GPUs) instead of gathering them over NCCL; it gathers by
-    itself where it cannot (another host, CPU). Off: always gather."""
-    sync_arm: bool = False
-    """Synchronous RL: after each rollout, arm the engines for the next weight sync; they pause
-    while the trainer trains and start receiving on the trainer's signal over the weight group's
-    store, without waiting for the update's request (``WeightSender.arm``). Not with
-    --train.async_enable or --vllm.enable_sleep (refused)."""
     curve_dir: str = ""
     """CURVE client keys (client.key_secret + server.key, `treadle-keys generate`) for --vllm.endpoint;
     needed when that daemon is not on loopback."""

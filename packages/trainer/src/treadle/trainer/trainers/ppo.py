@@ -369,8 +369,6 @@ class PPOTrainer:
         while state.global_step < total:
             t0 = time.perf_counter()
             trajs, dropped, counts = self.gather_batch() if main else (None, [], {})
-            if trajs:  # the rollout is over: the engines wait for the next weights (--vllm.sync_arm)
-                self.p.sender.arm(self.version + 1)
             t_gen = time.perf_counter()
             if self._stop_flag(main and not trajs):
                 break

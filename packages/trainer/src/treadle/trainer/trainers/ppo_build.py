@@ -23,10 +23,10 @@ from treadle.common.records import SamplingParams
 from treadle.trainer.checkpoint.checkpointer import Checkpointer
 from treadle.trainer.config.commands import PPOConfig
 from treadle.trainer.config.data import check_mixture, split_list
+from treadle.trainer.daemon import DTYPES, OwnedDaemon, daemon_spec, engine_gpus
 from treadle.trainer.data.sources import DataError, Row, load_mixture
 from treadle.trainer.models.loading import load_causal_lm, load_tokenizer
 from treadle.trainer.models.reference import Reference
-from treadle.trainer.rl.daemon import DTYPES, OwnedDaemon, daemon_spec, engine_gpus
 from treadle.trainer.rl.generation import Generator, Prompt
 from treadle.trainer.strategy.deepspeed import DistInfo, build_engine
 from treadle.trainer.trainers import build
@@ -250,8 +250,7 @@ def sender(parts: PPOParts) -> Any:
         log.warning(why)
     conf = SenderConfig(transport=transport, backend=backend, bucket_bytes=cfg.vllm.bucket_mb << 20,
                         dtype=DTYPES[cfg.ds.param_dtype], mode="abort" if cfg.train.partial_rollout_enable else "wait",
-                        host=cfg.vllm.sync_host, peer_reads=cfg.vllm.sync_peer_reads, arm=cfg.vllm.sync_arm,
-                        ipc_keep=not cfg.ds.enable_sleep)  # offloaded parameters must not stay mapped
+                        host=cfg.vllm.sync_host)
     return WeightSender(parts.actor, config=conf, client=parts.sync_client, zero_stage=cfg.ds.zero_stage,
                         is_main=parts.dist.is_main)
 
@@ -261,18 +260,13 @@ def sync_route(cfg: PPOConfig, *, cuda: bool) -> tuple[str, str, str]:
     (pure; ``why`` says what was changed, else ""). On CPU: gloo. With ``--train.colocate_all`` on
     CUDA the engines share the trainer's GPUs, rank 0's among them, and NCCL refuses a group
     holding two processes of one GPU ("Duplicate GPU detected"): nccl becomes gloo there.
-    cuda_ipc: engines on rank 0's GPU map its parameters or packed buckets (needs CUDA, no arming, and for a
-    daemon started here one hf engine)."""
+    cuda_ipc: engines on rank 0's GPU copy out of its packed buckets (needs CUDA, and for a daemon
+    started here one engine on one GPU)."""
     backend, why = cfg.vllm.sync_backend, ""
     if backend == "cuda_ipc":
         if not cuda:
             raise ConfigError("--vllm.sync_backend cuda_ipc shares GPU memory: it needs CUDA (on CPU, gloo)")
-        if cfg.vllm.sync_arm:
-            raise ConfigError("--vllm.sync_arm arms the engines for a broadcast: not with --vllm.sync_backend cuda_ipc")
         v = cfg.vllm
-        if v.endpoint is None and v.backend != "hf":  # a daemon started here: its backend is known
-            raise ConfigError(f"--vllm.sync_backend cuda_ipc: the {v.backend} backend does not take cuda_ipc updates "
-                              "(the hf backend does); use gloo")
         if v.endpoint is None and v.num_engines * v.tensor_parallel_size > 1:
             raise ConfigError(f"--vllm.sync_backend cuda_ipc serves engines on rank 0's GPU, and a daemon started here "
                               f"puts its {v.num_engines * v.tensor_parallel_size} engine GPUs on GPUs of their own; "
@@ -294,10 +288,6 @@ def build_parts(cfg: PPOConfig) -> PPOParts:
                           "while the trainer trains; pick one")
     from treadle.trainer.ring.group import data_parallel  # noqa: PLC0415
 
-    if cfg.vllm.sync_arm and (cfg.train.async_enable or cfg.vllm.enable_sleep):
-        raise ConfigError("--vllm.sync_arm pauses the engines while the trainer trains: not with "
-                          + ("--train.async_enable (they generate meanwhile)" if cfg.train.async_enable
-                             else "--vllm.enable_sleep (they sleep meanwhile)"))
     sync_route(cfg, cuda=torch.cuda.is_available())  # refuses what cannot work before anything starts
     if cfg.ds.enable_sleep and cfg.ds.adam_offload and torch.cuda.is_available():
         raise ConfigError("--ds.enable_sleep moves the optimizer's states off the GPU with ZeRO-3's offload_states, "

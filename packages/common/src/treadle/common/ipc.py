@@ -1,7 +1,7 @@
 """CUDA IPC handles of weight buckets, as plain msgpack (the ``cuda_ipc`` weight transport).
 
 A sender colocated with an engine (same GPU) packs its buckets back to back into one CUDA
-buffer and shares it once per update: ``encode_buckets(buffer, spans)`` runs torch's own
+buffer and shares it once per update (``records.IpcWeights``): ``encode_buckets(buffer, spans)`` runs torch's own
 ``reduce_tensor`` on the buffer and writes the arguments of its rebuild function field by field
 as one msgpack map per bucket (``IpcHandle``: the buffer's fields plus the bucket's offset and
 length), never pickle. The engine's ``open_handles(handles, device)`` decodes each map strictly
@@ -15,12 +15,13 @@ Lifetime: the sender keeps the buffer unchanged until the engine has answered (i
 for its own copies into the buffer before sharing it); the engine waits for its copies out of
 the buffer, then drops every view (which unmaps it), then answers.
 
+Both sides use it (the trainer encodes, the engines open). Importing it imports no torch.
+
 What this module does not do: decide buckets or layouts (``weights``), or load tensors (engines).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -134,35 +135,6 @@ def encode_buckets(buffer: torch.Tensor, spans: list[tuple[int, int]]) -> list[b
     return [dumps(msgspec.structs.replace(base, numel=n, tensor_offset=base.tensor_offset + off)) for off, n in spans]
 
 
-def share_storages(tensors: Sequence[torch.Tensor], kept: dict[int, tuple[Any, bytes]]
-                   ) -> tuple[dict[int, tuple[Any, bytes]], list[bytes], list[tuple[int, int, int]]]:
-    """``(kept, handles, pieces)``: one handle (``encode_buckets`` of the whole storage, a flat
-    uint8 view of it) per distinct storage of the CUDA ``tensors``, and per tensor ``(handle
-    index, byte offset, bytes)`` of its bytes there (``tensors`` contiguous; pass exact views).
-
-    ``kept`` is the previous call's ``data_ptr -> (storage, handle)``: a storage still used, of
-    the same size, keeps its handle, so a share is made once per storage and the handle stays the
-    same (the storage is kept alive meanwhile). The returned map holds this call's storages only;
-    drop it to release them."""
-    import torch
-
-    shared: dict[int, tuple[Any, bytes]] = {}
-    index: dict[int, int] = {}
-    pieces = []
-    for t in tensors:
-        storage = t.untyped_storage()
-        ptr = storage.data_ptr()
-        if ptr not in shared:
-            old = kept.get(ptr)
-            if old is None or old[0].nbytes() != storage.nbytes():
-                flat = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
-                old = (storage, encode_buckets(flat, [(0, storage.nbytes())])[0])
-            shared[ptr] = old
-            index[ptr] = len(index)
-        pieces.append((index[ptr], t.storage_offset() * t.element_size(), t.numel() * t.element_size()))
-    return shared, [h for _, h in shared.values()], pieces
-
-
 def check_colocated(handle: IpcHandle, device: torch.device, mine: str | None = None) -> None:
     """Raise unless ``handle``'s buffer lives on ``device`` (the engine's own GPU), whose UUID is
     ``mine`` (None: ask CUDA)."""
@@ -198,21 +170,6 @@ def open_handles(handles: list[bytes], device: torch.device | str) -> list[torch
             mapped[key] = _map(h, device)
         out.append(mapped[key][h.tensor_offset:h.tensor_offset + h.numel])
     return out
-
-
-def map_on(data: bytes, device: torch.device | str) -> torch.Tensor:
-    """One handle's bytes as a flat uint8 tensor of ``device``, a GPU that may differ from the
-    buffer's own: the allocation is mapped into ``device``'s context (CUDA peer access, enabled
-    lazily), so reads of it run on ``device`` (its copy engines, its kernels) and no work is
-    queued on the buffer's GPU. (torch keeps one mapping per allocation while it is alive: map a
-    peer's buffer through here only, or an earlier mapping on its own GPU is handed back.) For a
-    sender's own ranks on one host (the weight sender's peer reads); the caller keeps the tensor
-    as long as it reads the buffer (dropping it unmaps the memory and releases the sharer's
-    reference count)."""
-    import torch
-
-    h = loads(data)
-    return _map(h, torch.device(device))[h.tensor_offset:h.tensor_offset + h.numel]
 
 
 def _map(h: IpcHandle, device: torch.device) -> torch.Tensor:
