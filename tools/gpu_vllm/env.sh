@@ -16,3 +16,6 @@ export PYTORCH_NVML_BASED_CUDA_CHECK=1
 # (vllm/v1/sample/ops/topk_topp_sampler.py, flashinfer_sampler_supported) and the
 # engine core dies with "ModuleNotFoundError: No module named 'flashinfer'".
 export VLLM_USE_FLASHINFER_SAMPLER=0
+# a test process that already used CUDA (the HF reference model) cannot fork a working engine core
+# ("CUDA error: initialization error" in the second GPU run's bf16 and sleep tests): spawn it
+export VLLM_WORKER_MULTIPROC_METHOD=spawn

@@ -31,12 +31,20 @@ def _partitioned(items: Sequence[Item]) -> list[torch.Tensor]:
     return list(seen.values())
 
 
+def whole(p: torch.Tensor) -> bool:
+    """Whether a ZeRO-3 parameter's partition group is this rank alone: its partition is the
+    whole tensor, which ``plan.dense`` reads in place (a 1-rank gather is a copy of its own)."""
+    import torch.distributed as dist  # noqa: PLC0415
+
+    return not dist.is_initialized() or dist.get_world_size(p.ds_process_group) == 1
+
+
 def walk(items: Sequence[Item], sizes: Sequence[int], *, zero3: bool) -> Iterator[tuple[int, int]]:
     """Yield each bucket's ``(lo, hi)`` item range; under ZeRO-3 its parameters stay gathered
     until the loop asks for the next bucket (a collective: every rank loops alike)."""
     for lo, hi in bucket_ranges(sizes, len(items)):
         params = _partitioned(items[lo:hi]) if zero3 else []
-        if not params:
+        if not params or all(map(whole, params)):
             yield lo, hi
             continue
         import deepspeed  # noqa: PLC0415

@@ -62,10 +62,13 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def dense(t: torch.Tensor) -> torch.Tensor:
-    """``t`` detached; a bitsandbytes 4-bit weight (QLoRA's frozen base: packed uint8 plus a
-    ``quant_state``) dequantized to its compute dtype and logical shape."""
+    """``t`` detached; a ZeRO-3 parameter that is not gathered but whose partition holds all of it
+    (one rank: ``gather.whole``) as a view of that partition; a bitsandbytes 4-bit weight (QLoRA's
+    frozen base: packed uint8 plus a ``quant_state``) dequantized to its compute dtype and shape."""
     qs = getattr(t, "quant_state", None)
     if qs is None:
+        if hasattr(t, "ds_tensor") and t.numel() != t.ds_numel and t.ds_tensor.numel() >= t.ds_numel:
+            return t.ds_tensor.detach().reshape(-1)[:t.ds_numel].view(t.ds_shape)
         return t.detach()
     from bitsandbytes.functional import dequantize_4bit  # noqa: PLC0415
 
