@@ -270,26 +270,12 @@ async def bench_openai(model: Path, args: Args, reqs: list[Any]) -> None:
               flush=True)
 
 
-def send_buckets(group, tensors, sizes) -> None:  # noqa: ANN001
-    """The sender's side, as the trainer's collective transport does it: pack each bucket
-    (``new_bucket`` + one ``_foreach_copy_``), broadcast it."""
-    import torch
-
-    from treadle.common.weights import bucket_ranges, new_bucket
-
-    for lo, hi in bucket_ranges(sizes, len(tensors)):
-        ts = tensors[lo:hi]
-        flat, views = new_bucket([str(t.dtype).removeprefix("torch.") for t in ts], [t.shape for t in ts])
-        torch._foreach_copy_(views, ts)
-        group.broadcast(flat)
-
-
 async def bench_weights(model: Path, args: Args) -> None:
     import torch
     from safetensors.torch import load_file
 
     from treadle.common.records import CollectiveWeights, InlineWeights
-    from treadle.common.weights import WeightGroup, plan_buckets
+    from treadle.common.weights import WeightGroup, plan_buckets, send_buckets
 
     base = {k: v for f in sorted(model.glob("*.safetensors")) for k, v in load_file(str(f)).items()}
     g = torch.Generator().manual_seed(0)

@@ -66,23 +66,10 @@ def make_engine(args: Args, model: Path):
     return cls(cfg(model=str(model), max_model_len=512, eos_token_ids=()))
 
 
-def send_buckets(group, tensors, sizes) -> None:  # noqa: ANN001
-    """The sender's side, as the trainer's collective transport does it: pack each bucket
-    (``new_bucket`` + one ``_foreach_copy_``), broadcast it."""
-    import torch
-
-    from treadle.common.weights import bucket_ranges, new_bucket
-
-    for lo, hi in bucket_ranges(sizes, len(tensors)):
-        ts = tensors[lo:hi]
-        flat, views = new_bucket([str(t.dtype).removeprefix("torch.") for t in ts], [t.shape for t in ts])
-        torch._foreach_copy_(views, ts)
-        group.broadcast(flat)
-
-
 async def timed_update(engine, sender, names, tensors, sizes) -> float:
     """Seconds from the first broadcast until the engine has loaded and resumed."""
     from treadle.common.records import CollectiveWeights
+    from treadle.common.weights import send_buckets
 
     update = CollectiveWeights(version=engine.weight_version + 1, names=names,
                                dtypes=[str(t.dtype).removeprefix("torch.") for t in tensors],

@@ -17,6 +17,8 @@ import pytest
 import torch
 from treadle_testing import Loop, free_port, load_tool
 
+from treadle.common.weights import send_buckets
+
 ROOT = Path(__file__).resolve().parents[3]
 MAX_MODEL_LEN = 2048
 
@@ -141,20 +143,6 @@ def reference_prompt_logprobs(model: Any, ids: Any) -> np.ndarray:
     with torch.no_grad():
         lp = torch.log_softmax(model(x).logits[0, :-1].double(), -1)
     return lp.gather(1, x[0, 1:, None]).squeeze(1).numpy()
-
-
-def send_buckets(group: Any, tensors: list[torch.Tensor], bucket_sizes: list[int]) -> None:
-    """The sender's side of a collective update, as simple as it gets: each bucket packed
-    (``common.weights`` layout) and broadcast, one after the other."""
-    from treadle.common.weights import bucket_ranges, new_bucket
-
-    for lo, hi in bucket_ranges(bucket_sizes, len(tensors)):
-        part = tensors[lo:hi]
-        flat, views = new_bucket([str(t.dtype).removeprefix("torch.") for t in part], [list(t.shape) for t in part],
-                                 device=str(part[0].device))
-        for view, t in zip(views, part, strict=True):
-            view.copy_(t)
-        group.broadcast(flat)
 
 
 @pytest.fixture(scope="session")

@@ -153,15 +153,9 @@ async def _collect(engine, req):
 
 def _buckets(tensors, sizes):
     """Packed buckets (``common.weights`` layout) of ``tensors``, as a sender makes them."""
-    from treadle.common.weights import bucket_ranges, new_bucket
+    from treadle.common.weights import pack_buckets
 
-    out = []
-    for lo, hi in bucket_ranges(sizes, len(tensors)):
-        flat, views = new_bucket([str(t.dtype)[6:] for t in tensors[lo:hi]], [list(t.shape) for t in tensors[lo:hi]])
-        for view, t in zip(views, tensors[lo:hi], strict=True):
-            view.copy_(t)
-        out.append(flat)
-    return out
+    return list(pack_buckets(tensors, sizes))
 
 
 def test_hf_copies_packed_buckets_and_a_parameter_of_another_dtype_by_value(models, tools):

@@ -119,6 +119,20 @@ def new_bucket(dtypes: Sequence[str], shapes: Sequence[Sequence[int]], device: s
     return flat, bucket_views(flat, dtypes, shapes)
 
 
+def pack_buckets(tensors: Sequence[torch.Tensor], bucket_sizes: Sequence[int]) -> Iterator[torch.Tensor]:
+    """Each bucket of ``tensors`` (in their own dtypes, on their device) packed into a new flat
+    buffer, one multi-tensor copy each; the simplest sender (tests, benches, tools). The trainer's
+    sender packs into kept buffers, converting dtypes on the way (``treadle.trainer.weights``)."""
+    import torch
+
+    for lo, hi in bucket_ranges(bucket_sizes, len(tensors)):
+        part = list(tensors[lo:hi])
+        flat, views = new_bucket([str(t.dtype).removeprefix("torch.") for t in part], [list(t.shape) for t in part],
+                                 device=str(part[0].device))
+        torch._foreach_copy_(views, part)
+        yield flat
+
+
 class WeightGroup:
     """One member's handle on a weight-broadcast group; its calls block (run them off the loop)."""
 
@@ -161,6 +175,12 @@ class WeightGroup:
         stop = getattr(pg, "abort", None) or getattr(pg, "shutdown", None)
         if stop is not None:
             stop()
+
+
+def send_buckets(group: WeightGroup, tensors: Sequence[torch.Tensor], bucket_sizes: Sequence[int]) -> None:
+    """Sender side, the simplest: broadcast each bucket of ``tensors`` (``pack_buckets``) in order."""
+    for flat in pack_buckets(tensors, bucket_sizes):
+        group.broadcast(flat)
 
 
 def receive_buckets(group: WeightGroup, dtypes: Sequence[str], shapes: Sequence[Sequence[int]],
