@@ -55,8 +55,9 @@ fi
 if [ "${TREADLE_GPU_SUITE:-}" = vllm ]; then
   [ ${#VLLM_TESTS[@]} -gt 0 ] || { echo "TREADLE_GPU_SUITE=vllm: no vLLM here (carry .gpu/p1, tools/gpu_vllm)" >&2; exit 2; }
   # shellcheck disable=SC2086 # extra pytest words
-  exec python3 -m pytest -q -m gpu -p no:cacheprovider -p no:randomly "${VLLM_TESTS[@]}" ${TREADLE_GPU_PYTEST_ARGS:-}
+  exec python3 -m pytest -q -m gpu -p no:cacheprovider -p no:randomly "${VLLM_TESTS[@]}" ${TREADLE_GPU_PYTEST_ARGS:-} ${TREADLE_GPU_K:+-k "$TREADLE_GPU_K"}
 fi
+# TREADLE_GPU_K="expr" selects tests as pytest's -k does (TREADLE_GPU_PYTEST_ARGS splits on spaces).
 # TREADLE_GPU_BENCH=sync|ipc1|trainer runs issue 10's benchmarks instead of the tests (each fits one
 # device call), writing into TREADLE_GPU_OUT (default: the device's $OUT, else bench_out/):
 #   sync: the weight-sync bench on 2 GPUs, after 50 ms idle (as after training) and back to back;
@@ -97,4 +98,5 @@ case "${TREADLE_GPU_BENCH:-}" in
 esac
 exec python3 -m pytest -q -m gpu -p no:cacheprovider -p no:randomly \
   packages/trainer/tests/test_gpu.py packages/trainer/tests/test_gpu_weights.py packages/trainer/tests/test_ring.py \
-  packages/trainer/tests/test_ppo.py packages/rollout/tests/test_gpu.py "${VLLM_TESTS[@]}" ${TREADLE_GPU_PYTEST_ARGS:-}
+  packages/trainer/tests/test_ppo.py packages/rollout/tests/test_gpu.py "${VLLM_TESTS[@]}" ${TREADLE_GPU_PYTEST_ARGS:-} \
+  ${TREADLE_GPU_K:+-k "$TREADLE_GPU_K"}

@@ -244,6 +244,9 @@ def test_two_ranks_zero3_data_parallel_and_ring(tiny, task, daemon, helpers, tmp
 
 
 OWN_DAEMON = ("--vllm.backend", "hf", "--train.colocate_all", "--ref.num_gpus_per_node", "1")
+# vLLM on the trainer's GPU (fp32 like the trainer, eager: these steps are short), a third of its memory
+OWN_VLLM = ("--vllm.backend", "vllm", "--train.colocate_all", "--ref.num_gpus_per_node", "1",
+            "--vllm.gpu_memory_utilization", "0.3", "--vllm.enforce_eager")
 
 
 @pytest.mark.gpu
@@ -252,9 +255,12 @@ OWN_DAEMON = ("--vllm.backend", "hf", "--train.colocate_all", "--ref.num_gpus_pe
     pytest.param("gloo", None, id="gloo"),
     pytest.param("cuda_ipc", OWN_DAEMON, id="cuda_ipc_own_daemon"),
     pytest.param("cuda_ipc", (*OWN_DAEMON, "--vllm.enable_sleep", "--ds.enable_sleep"), id="cuda_ipc_own_daemon_sleep"),
+    pytest.param("cuda_ipc", OWN_VLLM, id="vllm_cuda_ipc_own_daemon"),
+    pytest.param("cuda_ipc", (*OWN_VLLM, "--vllm.enable_sleep", "--ds.enable_sleep"), id="vllm_cuda_ipc_own_daemon_sleep"),
 ])
-def test_ppo_on_one_gpu_with_an_hf_engine_on_that_gpu(sync, own_daemon, tiny, task, helpers, tmp_path):
-    """On the GPU machine: the trainer (ZeRO-3, one rank) and an hf engine share GPU 0, so the
+def test_ppo_on_one_gpu_with_an_engine_on_that_gpu(sync, own_daemon, tiny, task, helpers, tmp_path):
+    """On the GPU machine: the trainer (ZeRO-3, one rank) and an engine (hf, or vLLM in the
+    ``vllm_`` cases, whose weights arrive through its workers' cuda_ipc load) share GPU 0, so the
     weights cannot go over NCCL (it refuses two processes of one GPU in a group); each step's
     new weights reach the engine over CUDA IPC or over gloo, and the engine samples from them.
     ``own_daemon``: no --vllm.endpoint but these flags: the trainer starts the daemon with
