@@ -163,10 +163,6 @@ def _walk(module: torch.nn.Module) -> tuple[list[tuple[str, torch.Tensor]], list
     return params, buffers, lora
 
 
-def has_lora(module: torch.nn.Module) -> bool:
-    return bool(_lora_layers(module))
-
-
 def _item(name: str, t: torch.Tensor, dtype: torch.dtype | None, extra: tuple[torch.Tensor, ...] = (),
           merge: Callable[[], torch.Tensor] | None = None) -> Item:
     qs = getattr(t, "quant_state", None)  # a 4-bit weight travels dequantized, in its compute dtype
@@ -183,11 +179,6 @@ def _lora_layer_class() -> type | None:
     except ImportError:
         return None
     return LoraLayer
-
-
-def _lora_layers(module: torch.nn.Module) -> list[Any]:
-    cls = _lora_layer_class()
-    return [] if cls is None else [m for m in module.modules() if isinstance(m, cls)]
 
 
 def _lora_merges(layers: list[Any]) -> dict[int, tuple[tuple[torch.Tensor, ...], Callable[[], torch.Tensor]]]:
