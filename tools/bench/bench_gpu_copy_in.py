@@ -11,11 +11,9 @@ copy of the same bytes), ``views`` (making each bucket's tensor views alone, hos
 ``copy_`` per tensor) and ``split`` (tensors of at least ``--big-mb`` copied one by one, the
 rest by one ``_foreach_copy_`` per bucket), ``split_views`` (1-d views from one ``split`` per
 bucket, host), ``foreach_split`` (those into the parameters' flat views), ``foreach_kept`` and
-``per_tensor_kept`` (views made once: the copies alone), ``foreach_bytes`` (each tensor's bytes
-into the parameters' bytes, uint8), ``foreach_words`` (the same as 8-byte words: the hf engine's
-load from 2026-12-01 until the weight-sync redesign of 2026-12-02, which went back to
-``foreach``) and ``foreach_words_kept`` (its copies alone). The byte and word views are this
-file's own (``_byte_splits``, ``_word_views``); the layout is ``treadle.common.weights``'.
+``per_tensor_kept`` (views made once: the copies alone). The byte- and word-view variants of
+session 13 went with the engine's word views (2026-12-02, issue 31; their figures are in
+docs/benchmarks.md).
 
     python tools/bench/bench_gpu_copy_in.py [--json out.json]
 """
@@ -32,29 +30,6 @@ import torch
 
 SHAPE_1P5B = dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
                   num_key_value_heads=2, vocab_size=151936)
-
-
-def _byte_splits(dtypes: list[str], shapes: list[list[int]]) -> list[int]:
-    """Split sizes cutting a bucket into its pieces: the gap before tensor 0, tensor 0's bytes,
-    the gap after it, ..., the tail; tensor i is piece ``2 * i + 1``."""
-    from treadle.common.weights import bucket_layout, tensor_nbytes
-
-    offsets, total = bucket_layout(dtypes, shapes)
-    out, end = [], 0
-    for dtype, shape, offset in zip(dtypes, shapes, offsets, strict=True):
-        n = tensor_nbytes(dtype, shape)
-        out += [offset - end, n]
-        end = offset + n
-    out.append(total - end)
-    return out
-
-
-def _word_views(flat: torch.Tensor, dtypes: list[str], shapes: list[list[int]]) -> tuple[int, list[torch.Tensor]]:
-    """``(8, views)``: each tensor's bytes in the bucket ``flat`` as a 1-d int64 view, from one
-    ``split`` (every size of this model is a multiple of 8 bytes, every offset of ALIGN)."""
-    splits = _byte_splits(dtypes, shapes)
-    assert flat.storage_offset() % 8 == 0 and all(n % 8 == 0 for n in splits), "not 8-byte words"
-    return 8, list(flat.view(torch.int64).split([n // 8 for n in splits]))[1::2]
 
 
 def main() -> int:
@@ -154,30 +129,7 @@ def main() -> int:
             for x, y in zip(d, s, strict=True):
                 x.copy_(y)
 
-    raw_dst = {n: t.detach().view(-1).view(torch.uint8) for n, t in params.items()}
-    word_dst = {n: t.view(torch.int64) for n, t in raw_dst.items()}  # every size here is a multiple of 8 bytes
-
-    @torch.inference_mode()
-    def foreach_bytes() -> None:
-        for (lo, hi), f in zip(ranges, flats, strict=True):
-            pieces = list(f.split(_byte_splits(dtypes[lo:hi], shapes[lo:hi]))[1::2])
-            torch._foreach_copy_([raw_dst[n] for n in names[lo:hi]], pieces)
-
-    @torch.inference_mode()
-    def foreach_words() -> None:
-        for (lo, hi), f in zip(ranges, flats, strict=True):
-            size, words = _word_views(f, dtypes[lo:hi], shapes[lo:hi])
-            assert size == 8
-            torch._foreach_copy_([word_dst[n] for n in names[lo:hi]], words)
-
-    kept_words = [_word_views(f, dtypes[lo:hi], shapes[lo:hi])[1] for (lo, hi), f in zip(ranges, flats, strict=True)]
-
-    @torch.inference_mode()
-    def foreach_words_kept() -> None:
-        for (lo, hi), ws in zip(ranges, kept_words, strict=True):
-            torch._foreach_copy_([word_dst[n] for n in names[lo:hi]], ws)
-
-    variants = {"foreach_words": foreach_words, "foreach_words_kept": foreach_words_kept, "foreach_bytes": foreach_bytes, "flat": flat_copy, "views": views, "foreach": foreach, "per_tensor": per_tensor, "split": split,
+    variants = {"flat": flat_copy, "views": views, "foreach": foreach, "per_tensor": per_tensor, "split": split,
                 "split_views": split_views, "foreach_split": foreach_split, "foreach_kept": foreach_kept,
                 "per_tensor_kept": per_tensor_kept}
     times: dict[str, list[float]] = {k: [] for k in variants}
