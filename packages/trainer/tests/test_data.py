@@ -40,6 +40,28 @@ def test_parquet_and_plain_folder(tmp_path):
     assert [r.data["a"] for r in load_rows(str(tmp_path))] == ["p", "q", "r"]
 
 
+def test_save_to_disk_folders_read_by_split(tmp_path):
+    """A DatasetDict saved with save_to_disk reads by split (its json files are not rows, the test
+    split does not leak into train); a saved Dataset reads as train; other splits are refused."""
+    import datasets
+
+    dd = datasets.DatasetDict({"train": datasets.Dataset.from_dict({"a": ["x", "y"]}),
+                               "test": datasets.Dataset.from_dict({"a": ["z"]})})
+    dd.save_to_disk(str(tmp_path / "dd"))
+    assert [r.data["a"] for r in load_rows(str(tmp_path / "dd"), "train")] == ["x", "y"]
+    assert [r.data["a"] for r in load_rows(str(tmp_path / "dd"), "test")] == ["z"]
+    with pytest.raises(DataError, match="without split 'validation' \\(splits: train, test\\)"):
+        load_rows(str(tmp_path / "dd"), "validation")
+    dd["train"].save_to_disk(str(tmp_path / "ds"))
+    rows = load_rows(str(tmp_path / "ds"))
+    assert [r.data["a"] for r in rows] == ["x", "y"] and rows[1].index == 1
+    with pytest.raises(DataError, match="has no splits"):
+        load_rows(str(tmp_path / "ds"), "test")
+    from treadle.trainer.data.sources import data_files
+
+    assert {p.name for p in data_files(str(tmp_path / "dd"), "test")} >= {"state.json", "dataset_info.json"}
+
+
 def test_bad_json_line_is_named(tmp_path):
     f = tmp_path / "d.jsonl"
     f.write_text('{"a": "x"}\n{"a": oops}\n')

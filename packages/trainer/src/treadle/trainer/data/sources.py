@@ -3,7 +3,9 @@
 A dataset spec is a path or a hub name. A file (``.json``, ``.jsonl``, ``.parquet``, ``.csv``,
 ``.arrow``) is read whole; a folder contributes the files of the requested split (names
 starting with the split, e.g. ``train.jsonl``, ``test-00001.parquet``), or every data file when
-the split is ``train`` and no file name mentions a split. Anything else goes to
+the split is ``train`` and no file name mentions a split. A folder written by ``datasets``'
+``save_to_disk`` is read with ``load_from_disk``: a ``DatasetDict``'s split by name, a
+``Dataset`` (which has no splits) as ``train``. Anything else goes to
 ``datasets.load_dataset(name, split=...)`` (the hub; offline machines fail there, loudly).
 Each row remembers its file and row number so a malformed one is reported as
 ``data/x.jsonl row 17: key 'output': missing``.
@@ -75,6 +77,33 @@ def split_files(path: Path, split: str) -> list[Path]:
     raise DataError(f"{path}: no data file for split {split!r} (files: {', '.join(p.name for p in files) or 'none'})")
 
 
+def saved_split(path: Path, split: str) -> Path | None:
+    """The folder holding ``split`` when ``path`` was written by ``save_to_disk`` (a
+    ``DatasetDict``: its split's folder; a ``Dataset``: ``path`` itself, for ``train`` only);
+    None when it was not."""
+    if (path / "dataset_dict.json").is_file():
+        splits = json.loads((path / "dataset_dict.json").read_text()).get("splits", [])
+        if split not in splits:
+            raise DataError(f"{path}: a saved DatasetDict without split {split!r} (splits: {', '.join(splits) or 'none'})")
+        return path / split
+    if (path / "state.json").is_file() and (path / "dataset_info.json").is_file():
+        if split != "train":
+            raise DataError(f"{path}: a saved Dataset has no splits, so it reads as 'train' only; got split {split!r}")
+        return path
+    return None
+
+
+def read_saved(folder: Path) -> list[Row]:
+    """Every row of one ``save_to_disk`` folder of a ``Dataset``."""
+    import datasets  # noqa: PLC0415  (heavy)
+
+    try:
+        table = datasets.load_from_disk(str(folder))
+    except Exception as e:  # noqa: BLE001
+        raise DataError(f"{folder}: cannot read the saved dataset ({type(e).__name__}: {e})") from None
+    return [Row(data=r, file=str(folder), index=i) for i, r in enumerate(table)]
+
+
 def _find_bad_json_line(file: Path) -> DataError | None:
     with file.open(encoding="utf-8") as fh:
         for i, line in enumerate(fh):
@@ -107,6 +136,9 @@ def data_files(spec: str, split: str = "train") -> list[Path] | None:
     if path.is_file():
         return [path]
     if path.is_dir():
+        saved = saved_split(path, split)
+        if saved is not None:
+            return sorted(p for p in saved.iterdir() if p.is_file())
         return split_files(path, split)
     return None
 
@@ -119,6 +151,9 @@ def load_rows(spec: str, split: str = "train") -> list[Row]:
             raise DataError(f"{path}: unknown data file type {path.suffix!r} (known: {', '.join(BUILDERS)})")
         return read_file(path)
     if path.is_dir():
+        saved = saved_split(path, split)
+        if saved is not None:
+            return read_saved(saved)
         return [row for f in split_files(path, split) for row in read_file(f)]
     import datasets  # noqa: PLC0415
 
