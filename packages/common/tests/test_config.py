@@ -73,6 +73,8 @@ class Top:
     """Optional."""
     no_cache: Annotated[bool, switch_only()] = False
     """A switch whose name already negates: no --no_no_cache twin."""
+    overlap: bool | None = None
+    """Tri-state: None leaves the choice to the library."""
 
     def __post_init__(self) -> None:
         if self.enable and self.inner.size > self.other.size:
@@ -91,6 +93,16 @@ def test_bare_switch_and_typed_values():
     assert cfg.other.size == 8  # nested default instance kept
     assert parse(Top, ["--enable", "--no_enable"]).enable is False
     assert parse(Top, ["--no_cache"]).no_cache is True
+
+
+def test_tri_state_flag_takes_a_value_or_stands_alone_as_true():
+    """OpenRLHF's store-true habit: ``--overlap`` alone (last, or before another flag) is True."""
+    assert parse(Top, ["--overlap"]).overlap is True
+    assert parse(Top, ["--overlap", "--lr", "0.5"]).overlap is True
+    assert parse(Top, ["--overlap", "False"]).overlap is False and parse(Top, ["--overlap", "None"]).overlap is None
+    assert parse(Top, []).overlap is None
+    with pytest.raises(SystemExit):  # a flag that takes a value other than a boolean still needs it
+        parse(Top, ["--lr"])
 
 
 def test_alias_spelling_parses_to_the_field():

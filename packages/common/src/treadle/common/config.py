@@ -358,6 +358,7 @@ def parse(cls: type[T], args: Sequence[str] | None = None, *, prog: str | None =
     argv = list(sys.argv[1:] if args is None else args)
     check_renamed(argv, renamed)
     config_file, argv = _split_config(argv)
+    argv = _bare_tri_state(cls, argv)
     with deferred_validation():
         default = load_yaml(cls, Path(config_file), check=False) if config_file else cls()
         cfg = tyro.cli(cls, args=argv, prog=prog, description=_description(cls, description),
@@ -365,12 +366,38 @@ def parse(cls: type[T], args: Sequence[str] | None = None, *, prog: str | None =
     return validate(cfg)
 
 
-def flag_names(cls: type) -> list[str]:
-    """Every option string the command line of ``cls`` accepts (aliases, ``--no_*``, ``--config``), sorted."""
+def _bare_tri_state(cls: type, argv: list[str]) -> list[str]:
+    """OpenRLHF's store-true spelling for the tri-state (``bool | None``) flags, which take a
+    value: ``--ds.overlap_comm`` alone (last, or followed by another flag) means ``... True``."""
+    bare = {i for i, a in enumerate(argv)
+            if a.startswith("--") and "=" not in a and (i + 1 == len(argv) or argv[i + 1].startswith("--"))}
+    if not bare:
+        return argv
+    tri = _tri_state_flags(cls)
+    out: list[str] = []
+    for i, a in enumerate(argv):
+        out.append(a)
+        if i in bare and a in tri:
+            out.append("True")
+    return out
+
+
+def _tri_state_flags(cls: type) -> set[str]:
+    """The option strings of ``cls``'s command line whose value is one of None / True / False."""
+    return {s for action in _parser_actions(cls) if action.nargs != 0 and action.choices
+            and {"True", "False"} <= set(map(str, action.choices)) for s in action.option_strings}
+
+
+def _parser_actions(cls: type) -> list[Any]:
     import tyro  # noqa: PLC0415
 
     with deferred_validation(), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # get_parser is marked deprecated; it is the public way in
         parser = tyro.extras.get_parser(cls, default=cls(), use_underscores=True)
-    names = {s for action in parser._actions for s in action.option_strings}
+    return list(parser._actions)
+
+
+def flag_names(cls: type) -> list[str]:
+    """Every option string the command line of ``cls`` accepts (aliases, ``--no_*``, ``--config``), sorted."""
+    names = {s for action in _parser_actions(cls) for s in action.option_strings}
     return sorted(names | {CONFIG_FLAG})
