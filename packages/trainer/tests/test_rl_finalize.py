@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -33,6 +34,18 @@ def exps_of(rewards, loss_masks):
         e.reward = float(r)
         out.append(e)
     return out
+
+
+def test_extra_logs_of_reward_files_reach_the_step_metrics():
+    """OpenRLHF logs the reward / agent files' extra_logs; the step's metrics carry their means,
+    under the names given (over the samples that report one), and never overwrite treadle's own."""
+    exps = exps_of([1.0, 0.0, 1.0, 0.0], [[1]] * 4)
+    for e, logs in zip(exps, [{"dummy_scores": 1.0, "reward/mean": 7.0}, {"dummy_scores": 0.5}, {"acc": 1.0}, {}],
+                       strict=True):
+        e.traj = msgspec.structs.replace(e.traj, extra_logs=logs)
+    metrics = finalize(exps, CFG)
+    assert metrics["dummy_scores"] == 0.75 and metrics["acc"] == 1.0
+    assert metrics["reward/mean"] == 0.5 and metrics["extra/reward/mean"] == 7.0
 
 
 def test_rewards_are_clipped_after_the_group_baseline():

@@ -18,7 +18,7 @@ whitening) and stored as the float32 action arrays ``advantages``, ``returns`` a
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -119,4 +119,19 @@ def finalize(exps: Sequence[Experience], cfg: ReturnsConfig) -> dict[str, float]
         "response_length/mean": float(lengths.mean()), "response_length/max": float(lengths.max()),
         "truncated_frac": float(np.mean([e.traj.truncated for e in exps])),
     })
+    metrics.update(extra_log_means([e.traj.extra_logs for e in exps], taken=metrics.keys()))
     return metrics
+
+
+def extra_log_means(logs: Sequence[Mapping[str, float]], taken: Iterable[str] = ()) -> dict[str, float]:
+    """The step's mean of each ``extra_logs`` name the reward or agent files gave (over the
+    samples that report it), under that name, as OpenRLHF logs them; a name that one of
+    treadle's own metrics already uses (``taken``) goes under ``extra/NAME`` instead."""
+    sums: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    for log in logs:
+        for k, v in log.items():
+            sums[k] = sums.get(k, 0.0) + float(v)
+            counts[k] = counts.get(k, 0) + 1
+    reserved = set(taken)
+    return {(f"extra/{k}" if k in reserved else k): sums[k] / counts[k] for k in sorted(sums)}
