@@ -294,6 +294,21 @@ def test_seed_ppo_advanced_option_values():
     assert over.rollout.generate_batch_size == 2048 and over.train.async_enable
 
 
+def test_best_metric_key_takes_openrlhfs_names_and_refuses_what_no_eval_produces():
+    from treadle.trainer.config.commands import ppo_best_metric
+
+    assert ppo_best_metric("eval_default_pass1", 4, True) == "eval/pass@1"
+    assert ppo_best_metric("eval_default_pass4", 4, True) == "eval/pass@4"
+    assert ppo_best_metric("", 4, True) == "eval/pass@1" and ppo_best_metric("eval/reward_mean", 4, True)
+    assert ppo_best_metric("none", 4, True) is None and ppo_best_metric("eval_default_pass1", 4, False) is None
+    for bad in ("eval_default_pass8", "eval_math_pass1", "eval/pass1", "reward"):
+        with pytest.raises(ConfigError, match=r"is no metric the eval produces \(with --eval.n_samples_per_prompt 4: "
+                                              r"eval/pass@1, eval/pass@4, eval/reward_mean"):
+            ppo_best_metric(bad, 4, True)
+    with pytest.raises(ConfigError, match="'eval_math_pass1' is no metric"):  # before any model loads
+        parse_ppo([*ppo_argv(), "--ckpt.best_metric_key", "eval_math_pass1"])
+
+
 @pytest.mark.parametrize("estimator", ADVANTAGE_ESTIMATORS)
 def test_every_advantage_estimator_parses(estimator):
     extra = ["--algo.advantage.estimator", estimator]

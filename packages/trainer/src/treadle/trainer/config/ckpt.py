@@ -29,7 +29,9 @@ class CheckpointConfig:
     load_enable: bool = False
     """Resume from the newest checkpoint in path when there is one."""
     best_metric_key: str = ""
-    """Eval metric that picks the best checkpoint (e.g. eval_default_pass1); empty: first pass1 metric; 'none': off."""
+    """Eval metric that picks the best checkpoint; empty: the first pass@1 / loss metric; 'none': off.
+    PPO: eval/pass@1, eval/pass@N (N = --eval.n_samples_per_prompt), eval/reward_mean, or
+    OpenRLHF's eval_default_pass1 / eval_default_passN; any other is refused."""
 
     def __post_init__(self) -> None:
         if self.save_steps != -1 and self.save_steps < 1:

@@ -10,6 +10,8 @@ the total length budget) stay as given; the value in effect is a property here
 
 from __future__ import annotations
 
+import re
+
 from treadle.common.config import ConfigError, configclass
 from treadle.trainer.config.algo import GROUP_ESTIMATORS, AlgoConfig
 from treadle.trainer.config.ckpt import CheckpointConfig
@@ -204,6 +206,7 @@ class PPOConfig:
     def __post_init__(self) -> None:
         _require(self.actor.model_name_or_path, "--actor.model_name_or_path")
         _require(self.data.prompt_dataset, "--data.prompt_dataset")
+        ppo_best_metric(self.ckpt.best_metric_key, self.eval.n_samples_per_prompt, bool(self.eval.dataset))
         _check_reward_source(self)
         _check_estimator(self)
         _check_policy_loss(self)
@@ -230,6 +233,25 @@ class PPOConfig:
             return self.data.max_len
         assert self.rollout.max_new_tokens is not None  # checked in __post_init__
         return self.data.prompt_max_len + self.rollout.max_new_tokens
+
+
+def ppo_best_metric(key: str, eval_n: int, has_eval: bool) -> str | None:
+    """The eval metric ``--ckpt.best_metric_key`` names for PPO, or None when no best checkpoint
+    is kept ('none', or no ``--eval.dataset``: as in OpenRLHF, the key then picks nothing, so
+    its commands keep parsing). Empty means ``eval/pass@1``; OpenRLHF's spelling
+    ``eval_default_passK`` means ``eval/pass@K`` (treadle evaluates one data source, "default").
+    A key no eval produces is a ConfigError naming those it does, with or without an eval set."""
+    if key == "none":
+        return None
+    produced = ["eval/pass@1", f"eval/pass@{eval_n}", "eval/reward_mean"]
+    openrlhf = re.fullmatch(r"eval_(\w+?)_pass(\d+)", key)
+    if openrlhf and openrlhf.group(1) == "default":
+        key = f"eval/pass@{int(openrlhf.group(2))}"
+    if key and key not in produced:
+        names = ", ".join(dict.fromkeys(produced + ["eval_default_pass1", f"eval_default_pass{eval_n}"]))
+        raise ConfigError(f"--ckpt.best_metric_key {key!r} is no metric the eval produces "
+                          f"(with --eval.n_samples_per_prompt {eval_n}: {names})")
+    return (key or "eval/pass@1") if has_eval else None
 
 
 def _check_reward_source(cfg: PPOConfig) -> None:

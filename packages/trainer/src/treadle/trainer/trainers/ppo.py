@@ -33,7 +33,7 @@ from treadle.common.log import get_logger
 from treadle.common.metrics import plot_curves
 from treadle.common.records import Trajectory
 from treadle.trainer.checkpoint.checkpointer import TrainState
-from treadle.trainer.config.commands import PPOConfig
+from treadle.trainer.config.commands import PPOConfig, ppo_best_metric
 from treadle.trainer.rl.experience import Experience, from_trajectory
 from treadle.trainer.rl.generation import Group, PromptStream
 from treadle.trainer.rl.kl import KLController
@@ -418,8 +418,8 @@ class PPOTrainer:
         return state
 
     def _best_key(self) -> str:
-        key = self.cfg.ckpt.best_metric_key
-        return key if key not in ("", "none") else "eval/pass@1"
+        cfg = self.cfg
+        return ppo_best_metric(cfg.ckpt.best_metric_key, cfg.eval.n_samples_per_prompt, True) or "eval/pass@1"
 
     def _evaluate(self, metrics: dict[str, float], state: TrainState) -> bool:
         """Rank 0 samples the eval set; returns (on every rank) whether the best metric improved."""
