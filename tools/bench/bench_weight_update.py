@@ -4,8 +4,8 @@ bucketed (buckets of --bucket-mb MB) vs one tensor per broadcast.
 
 Times, from the sender's side, the whole update: first broadcast until ``receive_weights``
 returns (gate closed, receive, ``reload_weights``, tied-head refresh, resume, version bump).
-The two variants run interleaved ``--repeats`` times on alternating weight sets (so every update
-really changes the weights); medians and the per-tensor / bucketed ratio are printed, plus an
+After one untimed warm-up round the two variants run interleaved ``--repeats`` times, their
+order alternating, on alternating weight sets (so every update really changes the weights); medians and the per-tensor / bucketed ratio are printed, plus an
 inline update (``InlineWeights``, the tensors in hand) for reference. After the last update the engine's prompt
 logprobs are checked against the HF model holding the same weights.
 
@@ -118,11 +118,14 @@ async def bench(args: Args, model: Path) -> None:
     sender = sender_box[0]
 
     times: dict[str, list[float]] = {"bucketed": [], "per_tensor": []}
-    for i in range(args.repeats):
+    variants = [("bucketed", bucketed), ("per_tensor", [1] * len(names))]
+    for i in range(args.repeats + 1):  # round 0 warms both variants up, untimed
         tensors = sets[i % 2]
-        for variant, sizes in (("bucketed", bucketed), ("per_tensor", [1] * len(names))):
-            times[variant].append(await timed_update(engine, sender, names, tensors, sizes))
-    last = sets[(args.repeats - 1) % 2]
+        for variant, sizes in (variants if i % 2 else variants[::-1]):  # the order alternates
+            t = await timed_update(engine, sender, names, tensors, sizes)
+            if i:
+                times[variant].append(t)
+    last = sets[args.repeats % 2]
     t0 = time.perf_counter()
     await engine.update_weights(InlineWeights(version=engine.weight_version + 1, names=names,
                                               dtypes=["float32"] * len(names), shapes=[list(t.shape) for t in last],
