@@ -277,7 +277,7 @@ def sync_route(cfg: PPOConfig, *, cuda: bool) -> tuple[str, str, str]:
     elif cfg.train.colocate_all and backend == "nccl":
         backend, why = "gloo", ("--train.colocate_all puts engines on the trainer's GPUs and NCCL cannot hold two "
                                 "processes of one GPU in a group: weights go over gloo (slower; --vllm.sync_backend "
-                                "cuda_ipc for hf engines on rank 0's GPU)")
+                                "cuda_ipc for engines on rank 0's GPU, hf or vLLM)")
     return "collective", backend, why
 
 
