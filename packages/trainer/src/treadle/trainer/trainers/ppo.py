@@ -417,9 +417,10 @@ class PPOTrainer:
         self.export(Path(cfg.ckpt.output_dir))
         return state
 
-    def _best_key(self) -> str:
+    def _best_key(self) -> str | None:
+        """The eval metric that picks the best checkpoint; None: none is kept."""
         cfg = self.cfg
-        return ppo_best_metric(cfg.ckpt.best_metric_key, cfg.eval.n_samples_per_prompt, True) or "eval/pass@1"
+        return ppo_best_metric(cfg.ckpt.best_metric_key, cfg.eval.n_samples_per_prompt, bool(self.p.eval_prompts))
 
     def _evaluate(self, metrics: dict[str, float], state: TrainState) -> bool:
         """Rank 0 samples the eval set; returns (on every rank) whether the best metric improved."""
@@ -428,9 +429,9 @@ class PPOTrainer:
             start = time.perf_counter()
             metrics.update(self.p.generator.evaluate(self.p.eval_prompts, n=self.cfg.eval.n_samples_per_prompt))
             metrics["time/eval"] = time.perf_counter() - start
-            value = metrics.get(self._best_key())
-            if self.cfg.ckpt.best_metric_key != "none" and value is not None and \
-                    (state.best_metric is None or value > state.best_metric):
+            key = self._best_key()
+            value = None if key is None else metrics.get(key)
+            if value is not None and (state.best_metric is None or value > state.best_metric):
                 improved = 1.0
         flag = all_reduce([improved], self.dist.device, op="max")[0] > 0
         if flag and not self.dist.is_main:
