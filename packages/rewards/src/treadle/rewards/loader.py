@@ -7,7 +7,10 @@ A function reference is one of::
     path/to/reward.py:my_fn               another function of that file
 
 Files are loaded as OpenRLHF loads them (``importlib`` from the path, nothing added to
-``sys.path``), so a file written for OpenRLHF's ``--remote_rm_url reward.py`` loads unchanged.
+``sys.path``), so a file written for OpenRLHF's ``--remote_rm_url reward.py`` loads unchanged;
+its ``openrlhf`` imports are served by ``treadle.rewards.openrlhf.namespace`` when OpenRLHF is
+not installed (``from openrlhf.utils import extract_boxed_answer, grade_answer``), and one that
+treadle does not serve fails ``parse_ref`` and ``load``, naming it, before the file runs.
 Provenance records what was loaded: the file's SHA-256, the function's version (``@native``),
 the built-in's parameters. Not here: running functions (``worker_main`` / ``workers``).
 """
@@ -27,6 +30,7 @@ from treadle.rewards.api import is_native
 from treadle.rewards.code_reward import code_reward
 from treadle.rewards.format_reward import format_reward
 from treadle.rewards.math_reward import math_reward
+from treadle.rewards.openrlhf import namespace as openrlhf_namespace
 
 BUILTINS: dict[str, Callable[..., Callable[..., Any]]] = {
     "math": math_reward,
@@ -58,7 +62,8 @@ class FunctionSpec:
 
 
 def parse_ref(ref: str, params: dict[str, Any] | None = None) -> FunctionSpec:
-    """A ``FunctionSpec`` for ``ref`` ("math", "f.py", "f.py:fn"); ValueError when it names nothing."""
+    """A ``FunctionSpec`` for ``ref`` ("math", "f.py", "f.py:fn"); ValueError when it names nothing,
+    ``OpenRLHFImportError`` when the file imports from ``openrlhf`` what treadle does not serve."""
     if ref in BUILTINS:
         return FunctionSpec(name=ref, source=ref, params=dict(params or {}))
     path, _, fn = ref.partition(":") if ref.count(":") == 1 and not ref.endswith(":") else (ref, "", "")
@@ -66,6 +71,7 @@ def parse_ref(ref: str, params: dict[str, Any] | None = None) -> FunctionSpec:
         raise ValueError(f"reward function {ref!r} is neither a built-in ({sorted(BUILTINS)}) nor a .py file")
     if not Path(path).is_file():
         raise ValueError(f"reward function file {path!r} does not exist")
+    openrlhf_namespace.check_imports(path)
     stem = Path(path).stem
     return FunctionSpec(name=f"{stem}.{fn}" if fn else stem, source=str(Path(path).resolve()), function=fn or "reward_func")
 
@@ -93,6 +99,8 @@ def _load_file(spec: FunctionSpec) -> Callable[..., Any]:
     mod_spec = importlib.util.spec_from_file_location(module_name, path)
     if mod_spec is None or mod_spec.loader is None:
         raise ValueError(f"cannot load {path} as a Python module")
+    openrlhf_namespace.check_imports(path)
+    openrlhf_namespace.install()
     module = importlib.util.module_from_spec(mod_spec)
     sys.modules[module_name] = module  # dataclasses and pickle-free tools look modules up by name
     mod_spec.loader.exec_module(module)
