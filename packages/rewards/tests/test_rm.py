@@ -16,14 +16,15 @@ TEXTS = ["<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\nhello there<|im
          "a much longer text than the others, so that the batch is padded " * 3, "short"]
 
 
-def reference_scores(path, texts):
-    """One text per forward pass (no padding), straight from transformers."""
+def reference_scores(path, texts, max_len=None):
+    """One text per forward pass (no padding), straight from transformers; the last ``max_len`` tokens."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForSequenceClassification.from_pretrained(path).eval()
     with torch.no_grad():
-        return [model(**tok(t, return_tensors="pt", add_special_tokens=False)).logits[0, 0].item() for t in texts]
+        ids = [tok(t, return_tensors="pt", add_special_tokens=False)["input_ids"] for t in texts]
+        return [model(input_ids=i[:, -max_len:] if max_len else i).logits[0, 0].item() for i in ids]
 
 
 def test_scorer_matches_unpadded_forward_passes(tiny_rm):
@@ -80,3 +81,62 @@ def test_overlong_penalty_counts_the_model_tokenizers_tokens(serve, tiny_rm):
     expected = [-min(max(n - (max_new - buffer), 0) / buffer, 1.0) for n in lengths]
     np.testing.assert_allclose(res.extra_logs["overlong_penalty"], expected, atol=1e-6)
     np.testing.assert_allclose(res.rewards, np.asarray(reference_scores(tiny_rm, TEXTS)) + expected, atol=1e-5)
+
+
+def _with_config(src, dst, **changes):
+    """A copy of the model folder ``src`` at ``dst`` with ``changes`` in config.json (None deletes a key)."""
+    shutil.copytree(src, dst)
+    cfg = {**json.loads((dst / "config.json").read_text()), **changes}
+    (dst / "config.json").write_text(json.dumps({k: v for k, v in cfg.items() if v is not None}))
+    return dst
+
+
+def test_openrlhfs_serve_rm_command_line_serves_get_reward(tiny_rm, tmp_path):
+    """serve_remote_rm.sh's flags, with sdpa for flash_attention_2 (CPU), answer OpenRLHF's /get_reward."""
+    from treadle.common.config import parse
+    from treadle.rewards.config import ServeConfig
+    from treadle.rewards.daemon import DaemonThread
+
+    path = _with_config(tiny_rm, tmp_path / "rm", mean=0.5, std=2.0)
+    cfg = parse(ServeConfig, ["--reward.model_name_or_path", str(path), "--port", "0", "--ds.param_dtype", "bf16",
+                              "--ds.attn_implementation", "sdpa", "--reward.normalize_enable", "--data.max_len", "64",
+                              "--batch_size", "2", "--zmq.endpoint", "tcp://127.0.0.1:0"])
+    with DaemonThread(cfg) as d:
+        reply = HttpRewardClient(d.daemon.addresses.http).get_reward(TEXTS)
+        with SyncRewardClient(d.daemon.addresses.zmq) as z:
+            prov = z.score(TEXTS).provenance
+    expected = (np.asarray(reference_scores(tiny_rm, TEXTS, max_len=64)) - 0.5) / 2.0
+    np.testing.assert_allclose(reply["rewards"], expected, atol=0.02)  # bf16
+    rm = prov["components"][0]
+    assert (rm["dtype"], rm["attn_implementation"], rm["normalize"], rm["max_len"], rm["micro_batch_size"]) == \
+        ("bfloat16", "sdpa", True, 64, 2)
+
+
+def test_an_openrlhf_format_checkpoint_loads_with_its_value_head(tiny_rm, tmp_path):
+    """OpenRLHF's RewardModel saves the base config (no num_labels: 2 by default) and a head named by
+    value_head_prefix; it scores as the same weights saved the HF way."""
+    from safetensors.torch import load_file, save_file
+
+    from treadle.rewards.rm import RewardModelScorer
+
+    path = _with_config(tiny_rm, tmp_path / "openrlhf_rm", architectures=["RewardModel"], id2label=None,
+                        label2id=None, value_head_prefix="value_head")
+    weights = load_file(str(path / "model.safetensors"))
+    weights["value_head.weight"] = weights.pop("score.weight")
+    save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
+    np.testing.assert_allclose(RewardModelScorer(str(path)).score_texts(TEXTS), reference_scores(tiny_rm, TEXTS),
+                               atol=1e-5)
+
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({k: v for k, v in cfg.items() if k != "value_head_prefix"}))
+    assert RewardModelScorer(str(path), value_head_prefix="value_head").score_texts(TEXTS[:1]) == \
+        pytest.approx(reference_scores(tiny_rm, TEXTS[:1]), abs=1e-5)  # --ds.value_head_prefix
+    with pytest.raises(ValueError, match=r"no weights for score\.weight \(unused in it: value_head\.weight\)"):
+        RewardModelScorer(str(path))  # never a random head
+
+
+def test_flash_attention_is_refused_where_it_cannot_run(tiny_rm):
+    from treadle.rewards.rm import RewardModelScorer
+
+    with pytest.raises(ValueError, match="flash_attention_2 needs a CUDA device and the flash-attn package.*use sdpa"):
+        RewardModelScorer(str(tiny_rm), device="cpu", attn_implementation="flash_attention_2")

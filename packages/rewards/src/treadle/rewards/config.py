@@ -5,14 +5,21 @@ Flags are the dotted field paths (``--functions math format --weights 1.0 0.1``,
 defaults. Every group checks itself; ``ServeConfig`` checks the combinations (something to
 serve, one weight per function, no open binds without a token / CURVE keys).
 
+OpenRLHF's ``python -m openrlhf.cli.serve_rm`` flags are aliases of the same fields
+(``--reward.model_name_or_path`` = ``--rm.path``, ``--port`` = ``--http.port``, ... see
+``RMConfig`` and ``HttpConfig``); its flags treadle does not implement are refused by name
+(``OPENRLHF_REFUSED``, checked by ``refuse_openrlhf_flags`` before parsing). Defaults stay
+treadle's: loopback, float32, the model on CUDA when there is one.
+
 Not here: building anything from it (``daemon``).
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Sequence
+from typing import Annotated, Literal
 
-from treadle.common.config import ConfigError, configclass, secret
+from treadle.common.config import ConfigError, alias, configclass, secret, switch_only
 from treadle.common.rpc.transport import is_loopback, off_loopback
 
 
@@ -75,28 +82,37 @@ class CodeConfig:
 
 @configclass
 class RMConfig:
-    """A reward model (AutoModelForSequenceClassification, num_labels=1); needs the rm extra."""
+    """A reward model (AutoModelForSequenceClassification, num_labels=1, or an OpenRLHF RM); needs the rm extra."""
 
-    path: str | None = None
-    """Model folder (treadle's RM output or any such HF model); None: no reward model."""
+    path: Annotated[str | None, alias("--reward.model_name_or_path")] = None
+    """Model folder (treadle's RM output, OpenRLHF's, or any such HF model); None: no reward model."""
     weight: float = 1.0
     """Weight of the model's score in the combined reward."""
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """Compute dtype."""
-    device: str = "cpu"
-    """Torch device (cpu, cuda, cuda:1, ...)."""
-    max_len: int = 2048
+    dtype: Annotated[Literal["float32", "bfloat16", "float16", "fp32", "bf16", "fp16"], alias("--ds.param_dtype")] = \
+        "float32"
+    """Compute dtype (fp32 / bf16 / fp16: OpenRLHF's spellings of the same)."""
+    device: str = "auto"
+    """Torch device (auto: cuda when torch sees a GPU, else cpu; cpu, cuda, cuda:1, ...)."""
+    attn_implementation: Annotated[str | None, alias("--ds.attn_implementation")] = None
+    """HF attention implementation (sdpa, eager, flash_attention_2 on CUDA with flash-attn, ...); None: transformers' choice."""
+    max_len: Annotated[int, alias("--data.max_len")] = 2048
     """Longest input in tokens (longer ones lose their beginning)."""
-    micro_batch_size: int = 16
+    micro_batch_size: Annotated[int, alias("--batch_size")] = 16
     """Texts per forward pass."""
     append_eos: bool = False
     """Append the EOS token to every text (for models trained that way, as OpenRLHF's)."""
-    normalize: bool = False
+    normalize: Annotated[bool, alias("--reward.normalize_enable")] = False
     """Apply (r - mean) / std with the mean/std saved in the model's config."""
+    value_head_prefix: Annotated[str, alias("--ds.value_head_prefix")] = "score"
+    """Name of an OpenRLHF RM's head weights (<prefix>.weight); a value_head_prefix in the model's config wins."""
+    disable_fast_tokenizer: Annotated[bool, alias("--data.disable_fast_tokenizer"), switch_only()] = False
+    """Load the slow (Python) tokenizer."""
 
     def __post_init__(self) -> None:
         if self.max_len < 1 or self.micro_batch_size < 1:
             raise ConfigError(f"--max_len and --micro_batch_size must be >= 1, got {self.max_len}, {self.micro_batch_size}")
+        if not self.value_head_prefix.isidentifier():
+            raise ConfigError(f"--value_head_prefix must be a Python identifier, got {self.value_head_prefix!r}")
 
 
 @configclass
@@ -176,9 +192,9 @@ class ShapingConfig:
 class HttpConfig:
     """The HTTP endpoint (OpenRLHF's POST /get_reward, plus /v1/reward, /health, /metrics)."""
 
-    host: str = "127.0.0.1"
+    host: Annotated[str, alias("--host")] = "127.0.0.1"
     """Bind address; anything but loopback needs a token."""
-    port: int | None = 5000
+    port: Annotated[int | None, alias("--port")] = 5000
     """Port (0: any free one; None: no HTTP server)."""
     token: str | None = secret()
     """Bearer token required on every endpoint but /health (None: none)."""
@@ -253,3 +269,24 @@ class ServeConfig:
                 is not None and self.shaping.tokenizer is None and self.rm.path is None:
             raise ConfigError("--shaping.overlong_buffer_len counts tokens: give --shaping.tokenizer (or --rm.path), "
                               "or --shaping.length_unit chars")
+
+
+OPENRLHF_REFUSED: dict[str, str] = {
+    "--ds.load_in_4bit": "4-bit (bitsandbytes) loading is not supported: serve the model in bf16 or fp16",
+    "--ds.experts_implementation": "the MoE expert kernel is transformers' choice here",
+    "--ds.packing_samples": "the server pads its micro-batches; packing is not implemented",
+    "--use_ms": "ModelScope downloads are not supported: give a local folder or a Hugging Face name",
+}
+"""Flags of OpenRLHF's ``serve_rm`` that ``treadle-rewards serve`` does not implement, with why."""
+
+
+def refuse_openrlhf_flags(args: Sequence[str]) -> None:
+    """Raise ``ConfigError`` naming the first flag of ``OPENRLHF_REFUSED`` in ``args``."""
+    for arg in args:
+        if arg == "--":
+            break
+        name = arg.split("=", 1)[0]
+        key = "--" + name[2:].replace("-", "_") if name.startswith("--") else name  # tyro accepts both
+        if key in OPENRLHF_REFUSED:
+            raise ConfigError(f"{name} (OpenRLHF's serve_rm) is not supported by treadle-rewards serve: "
+                              f"{OPENRLHF_REFUSED[key]}")

@@ -119,7 +119,8 @@ class RewardDaemon:
 
         scorer = await asyncio.to_thread(RewardModelScorer, r.path, dtype=r.dtype, device=r.device, max_len=r.max_len,
                                          micro_batch_size=r.micro_batch_size, append_eos=r.append_eos,
-                                         normalize=r.normalize)
+                                         normalize=r.normalize, attn_implementation=r.attn_implementation,
+                                         value_head_prefix=r.value_head_prefix, use_fast=not r.disable_fast_tokenizer)
         self._rm = scorer
         b = self._batcher("rm", scorer.score, 1)
         return Component(name="rm", weight=r.weight, submit=b.submit, provenance=scorer.provenance)
