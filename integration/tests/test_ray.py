@@ -47,7 +47,9 @@ def shrunk_seed(tiny: Path, chat: Path, out: Path) -> list[str]:
     """The seed's flags with sizes for one CPU: 1 "GPU" per role, 1 engine, tiny model, 2 steps.
 
     Dropped: ``--ds.enable_sleep`` (it offloads ZeRO-3 states to host memory between phases, which
-    means nothing on a CPU-only machine) and the wandb key.
+    means nothing on a CPU-only machine), ``--vllm.sync_backend nccl`` (refused with
+    ``--train.colocate_all``: NCCL cannot hold two processes of one GPU; unset, colocated engines
+    get gloo) and the wandb key.
     Added: ``--vllm.backend hf`` (a faster start than vLLM's CPU build for a 2-step run).
     """
     values = {"--ref.num_gpus_per_node": "1", "--reward.num_gpus_per_node": "1", "--critic.num_gpus_per_node": "1",
@@ -62,7 +64,7 @@ def shrunk_seed(tiny: Path, chat: Path, out: Path) -> list[str]:
     while i < len(words):
         flag = words[i]
         has_value = i + 1 < len(words) and not words[i + 1].startswith("--")
-        if flag in ("--ds.enable_sleep", "--logger.wandb.key"):
+        if flag in ("--ds.enable_sleep", "--vllm.sync_backend", "--logger.wandb.key"):
             i += 2 if has_value else 1
             continue
         args.append(flag)

@@ -152,8 +152,17 @@ def rm_argv() -> list[str]:
     return seed_argv(SEED_RM, "openrlhf.cli.train_rm")
 
 
-def ppo_argv() -> list[str]:
+def ppo_seed_argv() -> list[str]:
     return seed_argv(SEED_PPO, "openrlhf.cli.train_ppo_ray")
+
+
+def ppo_argv() -> list[str]:
+    """The seed's PPO flags less ``--vllm.sync_backend nccl``, which treadle refuses with
+    ``--train.colocate_all`` (OpenRLHF uses CUDA IPC there; ``test_seed_ppo_command``)."""
+    argv = ppo_seed_argv()
+    k = argv.index("--vllm.sync_backend")
+    assert argv[k + 1] == "nccl"
+    return argv[:k] + argv[k + 2:]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -164,7 +173,7 @@ def test_seed_argv_is_what_bash_passes():
     argv = sft_argv()
     assert argv[argv.index("--data.input_template") + 1] == "User: {}\nAssistant: "
     assert argv[-2:] == ["--logger.wandb.key", "{wandb_token}"]
-    assert ppo_argv()[:2] == ["--ref.num_nodes", "1"]
+    assert ppo_seed_argv()[:2] == ["--ref.num_nodes", "1"]
 
 
 def test_seed_sft_command():
@@ -227,11 +236,16 @@ def test_rm_un_dotted_keys_are_aliases_of_the_dotted_ones():
 
 
 def test_seed_ppo_command():
+    # Its one refused flag: NCCL cannot hold an engine and the trainer's rank on one GPU, and treadle
+    # replaces no backend (OpenRLHF switches to CUDA IPC there; treadle's serves rank 0's GPU only).
+    with pytest.raises(ConfigError, match=r"--vllm\.sync_backend nccl with --train\.colocate_all: .* use "
+                                          r"--vllm\.sync_backend gloo, or cuda_ipc .* or leave it unset"):
+        parse_ppo(ppo_seed_argv())
     cfg = parse_ppo(ppo_argv())
     for role in (cfg.ref, cfg.reward, cfg.critic, cfg.actor):
         assert (role.num_nodes, role.num_gpus_per_node) == (1, 8)
     assert (cfg.vllm.num_engines, cfg.vllm.tensor_parallel_size) == (4, 2)
-    assert cfg.vllm.gpu_memory_utilization == 0.5 and cfg.vllm.sync_backend == "nccl"
+    assert cfg.vllm.gpu_memory_utilization == 0.5 and cfg.vllm.sync_backend is None
     assert cfg.vllm.enforce_eager and cfg.vllm.enable_sleep and cfg.ds.enable_sleep
     assert cfg.train.colocate_all and cfg.train.dynamic_batch_enable and cfg.ckpt.save_hf
     assert cfg.actor.model_name_or_path == "OpenRLHF/Llama-3-8b-sft-mixture"
@@ -257,7 +271,8 @@ def test_seed_ppo_command():
     ["--reward.model_name_or_path", "None", "--reward.remote_url", "http://host:5000/get_reward",
      "--critic.model_name_or_path", "OpenRLHF/Llama-3-8b-rm-700k"],
     ["--rollout.n_samples_per_prompt", "4"],
-    ["--rollout.vllm_generate_batch_size", "2048", "--train.async_enable", "--vllm.no_enable_sleep"],
+    ["--rollout.vllm_generate_batch_size", "2048", "--train.async_enable", "--train.no_colocate_all",
+     "--vllm.no_enable_sleep", "--ds.no_enable_sleep"],
     ["--algo.advantage.is_correction_level", "token", "--algo.advantage.is_correction_mode", "mask",
      "--algo.advantage.is_correction_threshold", "0.5", "5.0"],
     ["--algo.advantage.is_correction_level", "seq", "--algo.advantage.is_correction_gating", "binary_kl",
@@ -290,7 +305,7 @@ def test_seed_ppo_advanced_option_values():
     gspo = parse_ppo([*ppo_argv(), "--actor.policy_loss_type", "gspo"])
     assert gspo.actor.loss_agg_mode is None and gspo.actor.aggregation == "seq-mean-token-mean"  # GSPO's own
     over = parse_ppo([*ppo_argv(), "--rollout.vllm_generate_batch_size", "2048", "--train.async_enable",
-                      "--vllm.no_enable_sleep"])
+                      "--train.no_colocate_all", "--vllm.no_enable_sleep", "--ds.no_enable_sleep"])
     assert over.rollout.generate_batch_size == 2048 and over.train.async_enable
 
 
@@ -449,6 +464,8 @@ def test_renamed_tables_point_at_real_flags_and_never_shadow_one(command):
     renamed = COMMANDS[command][1]
     assert not flags & set(renamed), "a retired name is still a live flag"
     for old, new in renamed.items():
+        if not new.startswith("--"):  # refused outright: the value is the reason (test_config_fields.py)
+            continue
         for target in new.split(" / "):
             assert target in flags, f"{command}: {old} -> {target} is not a flag"
 
@@ -604,39 +621,43 @@ def test_agent_program_and_agent_file_are_one_or_the_other():
 
 
 def test_the_weight_sync_goes_where_it_can_work():
-    """The seed's colocated command asks for NCCL, which cannot hold the trainer's rank 0 and an
-    engine on its GPU in one group: gloo there, saying why; cuda_ipc needs CUDA."""
+    """Unset, the backend is picked per placement (gloo on CPU and for colocated engines, nccl
+    otherwise); a backend given is used or refused, never replaced; cuda_ipc needs CUDA."""
     from treadle.trainer.trainers.ppo_build import sync_route
 
     def with_backend(backend, *extra, colocated=True):
         argv = ppo_argv()
-        argv[argv.index("--vllm.sync_backend") + 1] = backend
         if not colocated:
             argv.remove("--train.colocate_all")
             argv[argv.index("--vllm.num_engines") + 1] = "1"
             for flag in ("--vllm.enable_sleep", "--ds.enable_sleep"):
                 argv.remove(flag)
-        return parse_ppo([*argv, *extra])
+        return parse_ppo([*argv, *(["--vllm.sync_backend", backend] if backend else []), *extra])
 
-    seed = parse_ppo(ppo_argv())
-    assert seed.train.colocate_all and seed.vllm.sync_backend == "nccl"
-    transport, backend, why = sync_route(seed, cuda=True)
-    assert (transport, backend) == ("collective", "gloo") and "--train.colocate_all" in why
-    assert sync_route(seed, cuda=False) == ("collective", "gloo", "")
-    assert sync_route(with_backend("nccl", colocated=False), cuda=True) == ("collective", "nccl", "")
-    assert sync_route(with_backend("gloo"), cuda=True) == ("collective", "gloo", "")
+    seed = with_backend(None)
+    assert seed.train.colocate_all and seed.vllm.sync_backend is None
+    assert sync_route(seed, cuda=True) == ("collective", "gloo")
+    assert sync_route(seed, cuda=False) == ("collective", "gloo")
+    assert sync_route(with_backend(None, colocated=False), cuda=True) == ("collective", "nccl")
+    assert sync_route(with_backend(None, colocated=False), cuda=False) == ("collective", "gloo")
+    assert sync_route(with_backend("nccl", colocated=False), cuda=True) == ("collective", "nccl")
+    with pytest.raises(ConfigError, match="--vllm.sync_backend nccl needs CUDA: on CPU use gloo"):
+        sync_route(with_backend("nccl", colocated=False), cuda=False)
+    with pytest.raises(ConfigError, match="--vllm.sync_backend nccl with --train.colocate_all"):
+        with_backend("nccl")
+    assert sync_route(with_backend("gloo"), cuda=True) == ("collective", "gloo")
     one_hf = ("--vllm.backend", "hf", "--vllm.num_engines", "1", "--vllm.tensor_parallel_size", "1",
               "--actor.num_gpus_per_node", "1", "--ref.num_gpus_per_node", "1", "--reward.num_gpus_per_node", "1",
               "--critic.num_gpus_per_node", "1")
-    assert sync_route(with_backend("cuda_ipc", *one_hf), cuda=True) == ("cuda_ipc", "nccl", "")
+    assert sync_route(with_backend("cuda_ipc", *one_hf), cuda=True) == ("cuda_ipc", "nccl")
     one_vllm = [*one_hf[2:]]  # the vllm backend takes cuda_ipc too
-    assert sync_route(with_backend("cuda_ipc", *one_vllm), cuda=True) == ("cuda_ipc", "nccl", "")
-    with pytest.raises(ConfigError, match="puts its 8 engine GPUs on GPUs of their own"):
-        sync_route(with_backend("cuda_ipc", "--vllm.backend", "hf"), cuda=True)
+    assert sync_route(with_backend("cuda_ipc", *one_vllm), cuda=True) == ("cuda_ipc", "nccl")
+    with pytest.raises(ConfigError, match="puts its 8 engine GPUs on GPUs of their own"):  # at parse time
+        with_backend("cuda_ipc", "--vllm.backend", "hf")
     # a running daemon (--vllm.endpoint): its engines say for themselves whether they can open the handles
     assert sync_route(with_backend("cuda_ipc", "--vllm.endpoint", "tcp://127.0.0.1:5570"), cuda=True)[0] == "cuda_ipc"
     with pytest.raises(ConfigError, match="cuda_ipc shares GPU memory: it needs CUDA"):
-        sync_route(with_backend("cuda_ipc"), cuda=False)
+        sync_route(with_backend("cuda_ipc", *one_hf), cuda=False)
 
 
 def test_a_daemon_the_trainer_starts_puts_its_engines_beside_or_on_the_trainers_gpus():

@@ -188,7 +188,8 @@ VARIANTS = {
                                 "--rollout.batch_size", "8", "--train.batch_size", "8", "--train.micro_batch_size", "8",
                                 "--rollout.micro_batch_size", "8", "--reward.remote_url", "",
                                 "--reward.model_name_or_path", "{tiny}", "--critic.num_gpus_per_node", "1",
-                                "--reward.num_gpus_per_node", "1", "--algo.kl.init_coef", "0.01"],
+                                "--reward.num_gpus_per_node", "1", "--algo.kl.init_coef", "0.01",
+                                "--critic.save_value_network", "--reward.offload"],
     "rloo_multi_turn_agent": ["--algo.advantage.estimator", "rloo", "--reward.remote_url", "",
                               "--train.agent_func_path", str(AGENT_FILE), "--rollout.max_new_tokens", "6"],
     "reinforce_two_epochs_gspo_is": ["--algo.advantage.estimator", "reinforce_baseline", "--train.max_epochs", "2",
@@ -218,6 +219,7 @@ def test_variants_run_and_log(variant, tiny, task, daemon, helpers, tmp_path):
     assert all(r["logprob_gap/max"] <= 1e-3 or variant.startswith("async") for r in rows)
     if "critic" in variant:
         assert "critic/loss" in rows[0]
+        assert (tmp_path / "model_critic" / "model.safetensors").is_file()  # --critic.save_value_network
     if variant.startswith("async"):
         assert all(r["staleness/max"] <= 1 for r in rows)
 

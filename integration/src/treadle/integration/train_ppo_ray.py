@@ -16,8 +16,8 @@ engines get ``num_engines x tensor_parallel_size`` (the trainer's own with
 ``--train.colocate_all``); on a CPU-only cluster the same numbers are CPU processes. Rewards come
 from the trainer's own flags (``--reward.model_name_or_path`` in the trainer ranks,
 ``--reward.remote_url`` a file, a daemon or a URL). Reference, critic and reward models live in
-the trainer ranks, so their ``--*.num_gpus_per_node`` flags must match the actor's when colocated
-(the config checks that) and are otherwise not separate placements.
+the trainer ranks, so their ``--*.num_nodes`` / ``--*.num_gpus_per_node`` flags are unset or the
+actor's (the config refuses others: they are not separate placements).
 
 Logs and run.json go to ``<TREADLE_RUN_DIR>/launch-<UTC time>`` (printed at start). Exit status
 as ``treadle-launch``'s. Not supported: trainer ranks across nodes (``--actor.num_nodes > 1``).

@@ -11,7 +11,8 @@ values (``--algo.advantage.is_correction_threshold 0.5 5.0``), ``X | None`` acce
 ``--config FILE.yaml`` loads a (partial) tree from YAML as the defaults; flags given on the
 command line override it. ``dump_yaml`` writes the resolved tree of a run and ``load_yaml``
 reads it back equal. ``renamed`` maps retired flags to their new names: using one is an error
-that names the replacement (a user's flag is never rewritten silently).
+that names the replacement (a user's flag is never rewritten silently); it may also map a flag
+to the reason it is refused (a feature not supported).
 
 Validation runs once, on the finished tree: while tyro and the YAML loader assemble it, the
 ``__post_init__`` checks are deferred, then ``validate`` runs them bottom-up (groups first, then
@@ -310,14 +311,21 @@ def _read(path: Path) -> str:
 
 
 def check_renamed(args: Sequence[str], renamed: Mapping[str, str]) -> None:
-    """Raise ``ConfigError`` if ``args`` use a retired flag; the message names its replacement."""
+    """Raise ``ConfigError`` if ``args`` use a retired flag; the message names its replacement.
+
+    A value that is no flag (does not start with ``--``) is the reason a flag is refused outright
+    (a feature not supported, with nothing to use instead): the message is the flag and that reason.
+    """
     for arg in args:
         if arg == "--":
             break
         name = arg.split("=", 1)[0]
         key = "--" + name[2:].replace("-", "_") if name.startswith("--") else name  # tyro accepts both
         if key in renamed:
-            raise ConfigError(f"{name} was renamed: use {renamed[key]} instead")
+            target = renamed[key]
+            if not target.startswith("--"):
+                raise ConfigError(f"{name}: {target}")
+            raise ConfigError(f"{name} was renamed: use {target} instead")
 
 
 def _split_config(args: Sequence[str]) -> tuple[str | None, list[str]]:

@@ -211,8 +211,10 @@ class PPOConfig:
         _check_estimator(self)
         _check_policy_loss(self)
         _check_lengths_and_batches(self)
+        _check_placements(self)
         _check_colocation(self)
         _check_async(self)
+        _check_weight_sync(self)
 
     @property
     def uses_reference(self) -> bool:
@@ -225,6 +227,12 @@ class PPOConfig:
         if self.algo.advantage.estimator != "gae":
             return None
         return self.critic.model_name_or_path or next(iter(self.reward.model_paths), None)
+
+    @property
+    def critic_output_dir(self) -> str:
+        """Where ``--critic.save_value_network`` exports the critic: ``<--ckpt.output_dir>_critic``
+        (OpenRLHF's ``save_path + "_critic"``)."""
+        return self.ckpt.output_dir.rstrip("/") + "_critic"
 
     @property
     def max_len(self) -> int:
@@ -266,6 +274,12 @@ def _check_reward_source(cfg: PPOConfig) -> None:
     if not (reward.model_name_or_path or reward.remote_url or agent):
         raise ConfigError("no reward: set --reward.model_name_or_path, --reward.remote_url, --train.agent_func_path "
                           "or --train.agent_cmd")
+    if len(reward.model_paths) > 1:
+        raise ConfigError(f"--reward.model_name_or_path lists {len(reward.model_paths)} models; this trainer scores "
+                          "with one reward model (several, with a reduction, are not implemented yet)")
+    if len(reward.remote_urls) > 1:
+        raise ConfigError(f"--reward.remote_url lists {len(reward.remote_urls)} sources; give one (combine several "
+                          "rewards in one function file or reward server)")
     rule_reward = bool(reward.remote_url or agent)
     if cfg.algo.dynamic_filtering_enable and not rule_reward:
         raise ConfigError("--algo.dynamic_filtering_enable filters on scores: needs --reward.remote_url or --train.agent_func_path")
@@ -287,6 +301,11 @@ def _check_estimator(cfg: PPOConfig) -> None:
                            ("--critic.save_value_network", critic.save_value_network)):
             if used:
                 raise ConfigError(f"{flag} is set but --algo.advantage.estimator {est} uses no critic (only gae does)")
+    lora_export = cfg.ds.lora.rank > 0 and (cfg.ds.zero_stage == 3 or cfg.ds.load_in_4bit)
+    if cfg.critic.save_value_network and lora_export:
+        raise ConfigError("--critic.save_value_network: exporting a value model with LoRA adapters under "
+                          "--ds.zero_stage 3 or --ds.load_in_4bit is not implemented yet (use --ds.zero_stage 2 "
+                          "without --ds.load_in_4bit)")
     if est in GROUP_ESTIMATORS and n < 2:
         raise ConfigError(
             f"--algo.advantage.estimator {est} compares the samples of a prompt: "
@@ -314,14 +333,24 @@ def _check_lengths_and_batches(cfg: PPOConfig) -> None:
     rollout, ds, actor = cfg.rollout, cfg.ds, cfg.actor
     if cfg.data.max_len is None and rollout.max_new_tokens is None:
         raise ConfigError("no length budget: set --data.max_len or --rollout.max_new_tokens")
-    generate = rollout.vllm_generate_batch_size
+    generate, ahead = rollout.vllm_generate_batch_size, cfg.train.async_queue_size
     if generate is not None and generate > rollout.batch_size and not cfg.train.async_enable:
         raise ConfigError(
             f"--rollout.vllm_generate_batch_size {generate} > --rollout.batch_size {rollout.batch_size} "
             "over-samples and needs --train.async_enable"
         )
+    if generate is not None and cfg.train.async_enable and generate > (ahead + 1) * rollout.batch_size:
+        # a round is trained over generate / batch_size steps: its last groups would exceed the bound
+        raise ConfigError(
+            f"--rollout.vllm_generate_batch_size {generate} > (--train.async_queue_size {ahead} + 1) x "
+            f"--rollout.batch_size {rollout.batch_size}: a round's last groups would be trained more than "
+            f"{ahead} versions after it started; raise --train.async_queue_size or generate fewer")
     if cfg.train.dynamic_batch_enable and not ds.packing_samples:
         raise ConfigError("--train.dynamic_batch_enable needs --ds.packing_samples")
+    samples = rollout.batch_size * rollout.n_samples_per_prompt
+    if samples % cfg.train.batch_size:
+        raise ConfigError(f"--rollout.batch_size x --rollout.n_samples_per_prompt = {samples} samples per rollout "
+                          f"must be a multiple of --train.batch_size {cfg.train.batch_size}")
     ranks = actor.num_nodes * actor.num_gpus_per_node // (ds.ring_attn_size * ds.tensor_parallel_size)
     micro_batches = rollout.batch_size * rollout.n_samples_per_prompt // rollout.micro_batch_size
     if micro_batches < ranks:
@@ -331,43 +360,63 @@ def _check_lengths_and_batches(cfg: PPOConfig) -> None:
         )
 
 
-def _same_gpus(cfg: PPOConfig, role: str, why: str) -> None:
-    a, other = cfg.actor, getattr(cfg, role)
-    if (other.num_nodes, other.num_gpus_per_node) != (a.num_nodes, a.num_gpus_per_node):
-        raise ConfigError(
-            f"{why} puts {role} on the actor's GPUs: --{role}.num_nodes x --{role}.num_gpus_per_node "
-            f"({other.num_nodes} x {other.num_gpus_per_node}) must equal --actor.num_nodes x "
-            f"--actor.num_gpus_per_node ({a.num_nodes} x {a.num_gpus_per_node})"
-        )
+def _check_placements(cfg: PPOConfig) -> None:
+    """The critic, reference and reward model run in the trainer's ranks beside the actor (no
+    placements of their own): their placement flags are unset (None: the actor's) or the actor's."""
+    a = cfg.actor
+    for role, what in (("critic", "the critic"), ("ref", "the reference"), ("reward", "the reward model")):
+        other = getattr(cfg, role)
+        given = [(name, mine, theirs) for name, mine, theirs in (("num_nodes", other.num_nodes, a.num_nodes),
+                 ("num_gpus_per_node", other.num_gpus_per_node, a.num_gpus_per_node)) if mine is not None]
+        if any(mine != theirs for _, mine, theirs in given):
+            flags = ", ".join(f"--{role}.{name} {mine}" for name, mine, _ in given)
+            raise ConfigError(
+                f"{flags}: {what} runs in the trainer's ranks beside the actor (a placement of its own is not "
+                f"implemented): leave it unset or equal to the actor's (--actor.num_nodes {a.num_nodes} x "
+                f"--actor.num_gpus_per_node {a.num_gpus_per_node})")
 
 
 def _check_colocation(cfg: PPOConfig) -> None:
+    """The switches' own conditions. ``--train.colocate_actor_ref`` and ``--train.colocate_critic_reward``
+    name what every run does (``_check_placements``); ``--train.colocate_all`` also puts the engines there."""
     train, vllm, actor = cfg.train, cfg.vllm, cfg.actor
     reward_model = bool(cfg.reward.model_name_or_path)
     if train.colocate_all:
-        for role, used in (("ref", cfg.uses_reference), ("critic", cfg.critic_model_name_or_path is not None),
-                           ("reward", reward_model)):
-            if used:
-                _same_gpus(cfg, role, "--train.colocate_all")
         engine_gpus = vllm.num_engines * vllm.tensor_parallel_size
-        if not train.async_enable and engine_gpus != actor.num_nodes * actor.num_gpus_per_node:
+        if engine_gpus != actor.num_nodes * actor.num_gpus_per_node:
             raise ConfigError(
                 f"--train.colocate_all: --vllm.num_engines x --vllm.tensor_parallel_size ({engine_gpus}) must equal "
                 f"the actor's GPUs ({actor.num_nodes * actor.num_gpus_per_node})"
             )
-    elif train.colocate_actor_ref and cfg.uses_reference:
-        _same_gpus(cfg, "ref", "--train.colocate_actor_ref")
-    if train.colocate_critic_reward and not train.colocate_all:
-        if cfg.critic_model_name_or_path is None or not reward_model:
-            raise ConfigError("--train.colocate_critic_reward needs both a critic (gae) and a reward model")
-        if (cfg.critic.num_nodes, cfg.critic.num_gpus_per_node) != (cfg.reward.num_nodes, cfg.reward.num_gpus_per_node):
-            raise ConfigError("--train.colocate_critic_reward: --critic.* and --reward.* num_nodes x num_gpus_per_node must match")
+    if train.colocate_critic_reward and not train.colocate_all and (cfg.critic_model_name_or_path is None
+                                                                     or not reward_model):
+        raise ConfigError("--train.colocate_critic_reward needs both a critic (gae) and a reward model")
     if vllm.enable_sleep and not train.colocate_all:
         raise ConfigError("--vllm.enable_sleep frees engine memory for colocated training: needs --train.colocate_all")
     if cfg.ds.enable_sleep and not (train.colocate_all or train.colocate_actor_ref or train.colocate_critic_reward):
         raise ConfigError("--ds.enable_sleep frees GPU memory for colocated models: needs a --train.colocate_* switch")
+    if cfg.ds.enable_sleep and cfg.ds.zero_stage != 3:
+        raise ConfigError(f"--ds.enable_sleep offloads ZeRO-3 states between phases: needs --ds.zero_stage 3, "
+                          f"got {cfg.ds.zero_stage}")
 
 
 def _check_async(cfg: PPOConfig) -> None:
     if cfg.train.async_enable and cfg.vllm.enable_sleep:
         raise ConfigError("--train.async_enable generates while training: engines cannot sleep (--vllm.enable_sleep)")
+    if cfg.train.async_enable and cfg.train.colocate_all:
+        raise ConfigError("--train.colocate_all with --train.async_enable: colocated engines cannot generate "
+                          "while the trainer trains; pick one")
+
+
+def _check_weight_sync(cfg: PPOConfig) -> None:
+    """What ``--vllm.sync_backend`` cannot do whatever the machine (what needs CUDA is checked at
+    start-up, ``trainers.ppo_build.sync_route``): refused, never replaced by another backend."""
+    v = cfg.vllm
+    if v.sync_backend == "nccl" and cfg.train.colocate_all:
+        raise ConfigError("--vllm.sync_backend nccl with --train.colocate_all: the engines share the trainer's GPUs and "
+                          "NCCL cannot hold two processes of one GPU in a group; use --vllm.sync_backend gloo, or "
+                          "cuda_ipc for one engine on rank 0's GPU, or leave it unset (colocated: gloo)")
+    engine_gpus = v.num_engines * v.tensor_parallel_size
+    if v.sync_backend == "cuda_ipc" and v.endpoint is None and engine_gpus > 1:
+        raise ConfigError(f"--vllm.sync_backend cuda_ipc serves engines on rank 0's GPU, and a daemon started here "
+                          f"puts its {engine_gpus} engine GPUs on GPUs of their own; use gloo")

@@ -1,8 +1,11 @@
 """Model roles: the trained model of SFT/RM, and PPO's actor, critic, reference and reward.
 
-One class per role, each with only the settings that role reads. Trained PPO roles carry
-their own placement (``num_nodes`` x ``num_gpus_per_node``) and optimizer (``--actor.adam.lr``,
-``--critic.adam.lr``). Loading models is the trainer's job; nothing here touches weights.
+One class per role, each with only the settings that role reads. Trained PPO roles carry their
+own optimizer (``--actor.adam.lr``, ``--critic.adam.lr``). The actor's ``num_nodes`` x
+``num_gpus_per_node`` are the trainer's ranks; the critic, reference and reward model always run
+in those ranks too (OpenRLHF's colocated placement), so their own placement flags default to None
+(the actor's) and another value is refused (``commands``). Loading models is the trainer's job;
+nothing here touches weights.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ def _check_model(cfg: Any) -> None:
 
 
 def _check_placement(cfg: Any) -> None:
-    if cfg.num_nodes < 1 or cfg.num_gpus_per_node < 1:
+    if any(n is not None and n < 1 for n in (cfg.num_nodes, cfg.num_gpus_per_node)):
         raise ConfigError(
             f"--num_nodes and --num_gpus_per_node must be >= 1, got {cfg.num_nodes} x {cfg.num_gpus_per_node}"
         )
@@ -66,7 +69,8 @@ class RMModelConfig(ModelConfig):
     margin_loss_enable: bool = False
     """Subtract the dataset's per-pair margin inside the loss."""
     compute_fp32_loss_enable: bool = False
-    """Compute the loss in fp32."""
+    """Compute the loss in fp32: accepted for OpenRLHF's scripts, and what treadle always does
+    (``losses.rm`` casts the scores to fp32 whatever this says)."""
 
 
 PreferenceLoss = Literal["sigmoid", "ipo"]
@@ -133,14 +137,14 @@ class FrozenRefConfig:
 
 @configclass
 class TrainedRoleConfig(OptimizerConfig):
-    """A model PPO trains on its own GPUs: placement + optimizer."""
+    """A model PPO trains: placement + optimizer."""
 
     model_name_or_path: str | None = None
     """HF model name or local path to start from."""
     num_nodes: int = 1
-    """Nodes of this role's DeepSpeed group."""
+    """Nodes of the trainer's ranks (the actor's DeepSpeed group; every other model runs in them too)."""
     num_gpus_per_node: int = 8
-    """GPUs per node of this role's DeepSpeed group."""
+    """GPUs per node of the trainer's ranks: one rank per GPU."""
 
     def __post_init__(self) -> None:
         OptimizerConfig.__post_init__(self)
@@ -210,12 +214,18 @@ class CriticConfig(TrainedRoleConfig):
     does; PPOConfig.critic_model_name_or_path gives the path in effect.
     """
 
+    num_nodes: int | None = None
+    """Nodes of the critic; None: the actor's. The critic runs in the trainer's ranks beside the
+    actor (a placement of its own is not implemented): another value than the actor's is refused."""
+    num_gpus_per_node: int | None = None
+    """GPUs per node of the critic; None: the actor's (another value is refused, as num_nodes)."""
     value_clip: float | None = 0.5
     """Value-loss clip range around the old values; None: unclipped."""
     freezing_steps: int = -1
     """Train only the critic for this many first steps (actor frozen) to warm it up; -1: off."""
     save_value_network: bool = False
-    """Also save the critic at the end."""
+    """Also export the critic at the end, in HF format (AutoModelForSequenceClassification, head
+    --ds.value_head_prefix), to <--ckpt.output_dir>_critic as OpenRLHF does."""
 
     def __post_init__(self) -> None:
         TrainedRoleConfig.__post_init__(self)
@@ -231,10 +241,11 @@ class RefConfig:
 
     model_name_or_path: str | None = None
     """Reference weights; None: the actor's starting weights."""
-    num_nodes: int = 1
-    """Nodes of the reference group."""
-    num_gpus_per_node: int = 8
-    """GPUs per node of the reference group."""
+    num_nodes: int | None = None
+    """Nodes of the reference; None: the actor's. The reference runs in the trainer's ranks beside
+    the actor (a placement of its own is not implemented): another value than the actor's is refused."""
+    num_gpus_per_node: int | None = None
+    """GPUs per node of the reference; None: the actor's (another value is refused, as num_nodes)."""
     offload: bool = False
     """Keep the reference in CPU memory: its ZeRO-3 parameter shards (ZeRO param offload) under --ds.zero_stage 3, else the whole replica between uses."""
 
@@ -263,12 +274,13 @@ class RewardConfig:
     """Bearer token sent to an HTTP reward URL (a `treadle-rewards serve --http.token`)."""
     token_file: str | None = None
     """Read that token from this file instead (keeps it out of `ps`)."""
-    num_nodes: int = 1
-    """Nodes of the reward-model group."""
-    num_gpus_per_node: int = 8
-    """GPUs per node of the reward-model group."""
+    num_nodes: int | None = None
+    """Nodes of the reward model; None: the actor's. It runs in the trainer's ranks beside the actor
+    (a placement of its own is not implemented): another value than the actor's is refused."""
+    num_gpus_per_node: int | None = None
+    """GPUs per node of the reward model; None: the actor's (another value is refused, as num_nodes)."""
     offload: bool = False
-    """Keep the reward model in CPU memory between uses."""
+    """Keep the reward model in CPU memory between uses: it visits the accelerator only while it scores."""
     normalize_enable: bool = False
     """Normalise reward-model scores with the running mean/std stored in the model."""
     clip_range: tuple[float, float] = (-10.0, 10.0)

@@ -8,6 +8,7 @@ and scheduler is the trainer's job, not this module's.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Literal
 
 from treadle.common.config import ConfigError, configclass
@@ -64,16 +65,20 @@ class MuonConfig:
             raise ConfigError(f"--ns_steps must be >= 1, got {self.ns_steps}")
 
 
+_MUON_DEFAULTS = MuonConfig()
+
+
 @configclass
 class OptimizerConfig:
     """Optimizer + schedule + clipping of one trained model."""
 
     optim: Literal["adam", "muon"] = "adam"
-    """Optimizer: AdamW, or Muon for matrices with AdamW (adam.*) for the rest."""
+    """Optimizer: AdamW. muon (Muon for matrices, AdamW for the rest) is not implemented yet and
+    is refused here, before anything loads."""
     adam: AdamConfig = AdamConfig()
     """AdamW settings."""
     muon: MuonConfig = MuonConfig()
-    """Muon settings (only read when optim is muon)."""
+    """Muon settings: refused when changed from the defaults while Muon is not implemented."""
     lr_scheduler: LRScheduler = "cosine_with_min_lr"
     """Learning-rate schedule (HF transformers.get_scheduler names)."""
     lr_warmup_ratio: float = 0.03
@@ -84,6 +89,12 @@ class OptimizerConfig:
     """Clip the global gradient norm to this value; 0 disables clipping."""
 
     def __post_init__(self) -> None:
+        if self.optim == "muon":
+            raise ConfigError("--optim muon is not implemented yet: use --optim adam (AdamW)")
+        changed = [f"--muon.{f.name}" for f in dataclasses.fields(MuonConfig)
+                   if getattr(self.muon, f.name) != getattr(_MUON_DEFAULTS, f.name)]
+        if changed:
+            raise ConfigError(f"{', '.join(changed)}: Muon's settings, and --optim muon is not implemented yet")
         if not 0 <= self.lr_warmup_ratio <= 1:
             raise ConfigError(f"--lr_warmup_ratio must be in [0, 1], got {self.lr_warmup_ratio}")
         if not 0 <= self.min_lr_ratio <= 1:

@@ -7,6 +7,10 @@ e.g. ``--bf16`` became ``--ds.param_dtype bf16``). A value may list several flag
 when one old flag split into several. ``--value_prefix_head`` is the spelling in the README's
 prose (the real old flag was ``--value_head_prefix``).
 
+OpenRLHF flags of features treadle does not have at all (vision-language models, ModelScope) map
+to the reason instead of a replacement: using one is an error saying so, where tyro would only
+say "Unrecognized options".
+
 Not here: spellings that are still accepted (``--prompt_max_len``, ``--generate_max_len``,
 ``--chosen_key``, ``--rejected_key``): those are aliases declared on their fields.
 """
@@ -16,7 +20,17 @@ from __future__ import annotations
 from collections.abc import Mapping
 from types import MappingProxyType
 
+_VISION = "vision-language models are not supported (text-only models and prompts)"
+_UNSUPPORTED: dict[str, str] = {
+    "--data.image_key": _VISION,
+    "--data.max_images_per_prompt": _VISION,
+    "--actor.freeze_visual_encoder": _VISION,
+    "--use_ms": "ModelScope is not supported: models and datasets load from the Hugging Face hub or local paths",
+}
+"""OpenRLHF flags refused outright -> why (no flag replaces them)."""
+
 _SHARED: dict[str, str] = {
+    **_UNSUPPORTED,
     # models
     "--pretrain": "--actor.model_name_or_path",
     "--model.model_name_or_path": "--actor.model_name_or_path",

@@ -22,7 +22,9 @@ class RolloutConfig:
     n_samples_per_prompt: int = 1
     """Responses sampled per prompt (the group size of group-relative estimators)."""
     vllm_generate_batch_size: int | None = None
-    """Prompts sent to the engines per round; above batch_size over-samples (async only); None: batch_size."""
+    """Prompts sent to the engines per generation round; None: batch_size. Below batch_size a step
+    takes several rounds; above it (async only) a round over-samples and its extra groups are
+    trained in the next steps (OpenRLHF's buffer), e.g. to keep enough groups past DAPO's filter."""
     max_new_tokens: Annotated[int | None, alias("--generate_max_len")] = 1024
     """Most tokens generated per response (also --generate_max_len); None: up to data.max_len."""
     temperature: float = 1.0
@@ -88,12 +90,15 @@ class VLLMConfig:
     """Engines in the pool."""
     tensor_parallel_size: int = 1
     """GPUs per engine (tensor parallel)."""
-    sync_backend: Literal["nccl", "gloo", "cuda_ipc"] = "nccl"
-    """How new weights reach the engines: a broadcast over NCCL or gloo (gloo on CPU), or
-    cuda_ipc: engines on rank 0's GPU copy them out of its packed buckets (colocated; NCCL cannot
-    hold two processes of one GPU in a group)."""
+    sync_backend: Literal["nccl", "gloo", "cuda_ipc"] | None = None
+    """How new weights reach the engines: a broadcast over NCCL (CUDA only; not with
+    --train.colocate_all, since NCCL cannot hold two processes of one GPU in a group) or gloo, or
+    cuda_ipc: engines on rank 0's GPU copy them out of its packed buckets (CUDA). None picks per
+    placement: nccl on CUDA, gloo on CPU and with --train.colocate_all. A backend that cannot
+    work where the run is placed is refused, never replaced."""
     sync_with_ray: bool = False
-    """Send weights through Ray's object store instead of a collective."""
+    """Send weights through Ray's object store (OpenRLHF's --vllm_sync_with_ray): not implemented,
+    refused; weights go over --sync_backend."""
     enable_prefix_caching: bool = False
     """Reuse KV cache across requests sharing a prefix."""
     enforce_eager: bool = False
@@ -126,3 +131,6 @@ class VLLMConfig:
             _require_sync_host(self.endpoint, self.sync_host)
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ConfigError(f"--gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.sync_with_ray:
+            raise ConfigError("--sync_with_ray: sending weights through Ray's object store is not implemented; "
+                              "drop it (weights go over --sync_backend: gloo, nccl or cuda_ipc)")

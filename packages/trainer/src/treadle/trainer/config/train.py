@@ -41,6 +41,9 @@ class TrainConfig:
             raise ConfigError(f"--max_tokens_per_gpu must be >= 1, got {self.max_tokens_per_gpu}")
 
 
+_EMA_BETA = 0.992
+
+
 @configclass
 class RLTrainConfig(TrainConfig):
     """Loop settings of PPO-family RL."""
@@ -68,9 +71,10 @@ class RLTrainConfig(TrainConfig):
     agent_max_procs: int = 64
     """Agent programs (--agent_cmd) running at once."""
     enable_ema: bool = False
-    """Keep an exponential moving average of the actor weights."""
-    ema_beta: float = 0.992
-    """EMA decay."""
+    """An exponential moving average of the actor's weights, exported as the final model
+    (OpenRLHF's --enable_ema): not implemented yet, refused here."""
+    ema_beta: float = _EMA_BETA
+    """EMA decay (only with enable_ema, so refused when changed)."""
 
     def __post_init__(self) -> None:
         TrainConfig.__post_init__(self)
@@ -82,5 +86,7 @@ class RLTrainConfig(TrainConfig):
             raise ConfigError(f"--agent_max_procs must be >= 1, got {self.agent_max_procs}")
         if self.partial_rollout_enable and not self.async_enable:
             raise ConfigError("--partial_rollout_enable needs --async_enable")
-        if not 0 < self.ema_beta < 1:
-            raise ConfigError(f"--ema_beta must be in (0, 1), got {self.ema_beta}")
+        if self.enable_ema or self.ema_beta != _EMA_BETA:
+            flag = "--enable_ema" if self.enable_ema else f"--ema_beta {self.ema_beta}"
+            raise ConfigError(f"{flag}: an EMA of the actor's weights is not implemented yet (the final model "
+                              "is the trained actor); drop --enable_ema / --ema_beta")

@@ -7,6 +7,10 @@ so padded and packed batches give the same scores. The saved model loads with
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
+import torch
 from torch import Tensor
 
 from treadle.trainer.data.batching import SeqBatch
@@ -20,3 +24,17 @@ class RewardModel(ValueModel):
     def scores(values: Tensor, batch: SeqBatch) -> Tensor:
         """values ``[R, T]`` (the forward's output) -> ``[S]`` the value at each sequence's last token."""
         return values.reshape(-1)[batch.last_index]
+
+
+@contextlib.contextmanager
+def on_device(module: torch.nn.Module, device: torch.device, *, offload: bool) -> Iterator[torch.nn.Module]:
+    """``module`` for use on ``device`` inside the block. ``offload`` (``--reward.offload``): it lives
+    in CPU memory outside the block and visits ``device`` only inside it (moving is a no-op on a
+    CPU-only machine); otherwise it is left where it is (already on ``device``)."""
+    if offload:
+        module.to(device)
+    try:
+        yield module
+    finally:
+        if offload:
+            module.to("cpu")

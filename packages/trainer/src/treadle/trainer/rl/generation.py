@@ -11,11 +11,14 @@ Two ways to run it:
 
 - ``collect(count)``: generate ``count`` groups now and return them (synchronous and colocated
   modes: the weights cannot change meanwhile).
-- ``start_async(batch, max_ahead)``: a producer task keeps generating batches of ``batch`` prompts
-  in the background; batch ``b`` (counted from the start, when the weights were at version
-  ``base``) starts only once the trainer has published weight version ``>= base + b - max_ahead``
-  (``publish``); it is trained at version ``base + b``, so its samples are at most ``max_ahead``
-  versions stale. Finished groups wait in a queue; ``next_group`` takes one.
+- ``start_async(batch, per_step, max_ahead)``: a producer task keeps generating rounds of ``batch``
+  prompts in the background (``--rollout.vllm_generate_batch_size``; more than a step's
+  ``per_step`` groups over-samples). A round starts once the groups started before it, plus its
+  own, exceed those the trained steps consumed (as of the last ``publish``) by at most
+  ``(max_ahead + 1) x per_step``, or at once when the trainer has taken every group started (it is
+  waiting for more: filtering ate them). A step takes at least ``per_step`` groups, so a group is
+  trained at most ``max_ahead`` versions after its round started (the trainer drops any that come
+  later, e.g. behind a slow group). Finished groups wait in a queue; ``next_group`` takes one.
 
 All asyncio work runs on one ``LoopThread``; the trainer calls these methods from its own thread.
 Not here: rewards shaping, experience, training (``experience``, ``trainers.ppo``).
@@ -127,7 +130,9 @@ class Generator:
         self._queue: asyncio.Queue[Group | BaseException] | None = None
         self._producer: asyncio.Future[Any] | None = None
         self._version = 0
-        self._version_changed: asyncio.Condition | None = None
+        self._taken = 0  # groups next_group handed out
+        self._consumed = 0  # of those, taken by the steps trained as of the last publish
+        self._changed: asyncio.Condition | None = None
 
     async def _group(self, seq: int, prompt: Prompt, executor: Any = None, n: int | None = None) -> Group:
         from treadle.agents.api import Episode  # noqa: PLC0415
@@ -161,31 +166,31 @@ class Generator:
 
     # -- asynchronous --------------------------------------------------------------------------
 
-    def start_async(self, stream: PromptStream, *, batch: int, max_ahead: int, base_version: int) -> None:
-        """Start the background producer over ``stream`` (see the module docstring); the trainer's
-        weights are at ``base_version`` now, and its k-th next step publishes ``base_version + k``."""
+    def start_async(self, stream: PromptStream, *, batch: int, per_step: int, max_ahead: int) -> None:
+        """Start the background producer over ``stream`` in rounds of ``batch`` prompts, for steps of
+        ``per_step`` groups, at most ``max_ahead`` versions ahead (see the module docstring)."""
         async def start() -> None:
             self._queue = asyncio.Queue()
-            self._version_changed = asyncio.Condition()
-            self._producer = asyncio.ensure_future(self._produce(stream, batch, max_ahead, base_version))
+            self._changed = asyncio.Condition()
+            self._producer = asyncio.ensure_future(self._produce(stream, batch, (max_ahead + 1) * per_step))
 
         self.lt.run(start())
 
-    async def _produce(self, stream: PromptStream, batch: int, max_ahead: int, base: int) -> None:
-        assert self._queue is not None and self._version_changed is not None
-        b = 0
+    async def _produce(self, stream: PromptStream, batch: int, window: int) -> None:
+        assert self._queue is not None and self._changed is not None
+        started = 0
         try:
             while True:
-                oldest = base + b - max_ahead  # the oldest weights batch b may be generated with
-                async with self._version_changed:
-                    await self._version_changed.wait_for(lambda oldest=oldest: self._version >= oldest)
+                async with self._changed:
+                    await self._changed.wait_for(
+                        lambda started=started: started == self._taken or started + batch - self._consumed <= window)
                 items = stream.take(batch)
                 if not items:
                     break
+                started += len(items)
                 tasks = [asyncio.ensure_future(self._group(seq, p)) for seq, p in items]
                 for fut in asyncio.as_completed(tasks):
                     await self._queue.put(await fut)
-                b += 1
         except asyncio.CancelledError:
             raise
         except BaseException as e:  # surfaces in the trainer's next_group
@@ -194,19 +199,29 @@ class Generator:
         await self._queue.put(StopAsyncIteration())
 
     def publish(self, version: int) -> None:
-        """Tell the producer the trainer's weights are now at ``version``."""
+        """Tell the producer the trainer's weights are now at ``version``: the groups taken so far
+        were consumed by the steps trained up to it."""
         async def bump() -> None:
-            self._version = version
-            if self._version_changed is not None:
-                async with self._version_changed:
-                    self._version_changed.notify_all()
+            self._version, self._consumed = version, self._taken
+            if self._changed is not None:
+                async with self._changed:
+                    self._changed.notify_all()
 
         self.lt.run(bump())
 
     def next_group(self, timeout: float | None = None) -> Group | None:
         """The next finished group of the producer; None when the stream is exhausted."""
-        assert self._queue is not None, "start_async first"
-        item = self.lt.run(self._queue.get(), timeout=timeout)
+        assert self._queue is not None and self._changed is not None, "start_async first"
+
+        async def take() -> Group | BaseException:
+            item = await self._queue.get()
+            if isinstance(item, Group):
+                self._taken += 1
+                async with self._changed:
+                    self._changed.notify_all()  # a trainer that took every group started needs more
+            return item
+
+        item = self.lt.run(take(), timeout=timeout)
         if isinstance(item, StopAsyncIteration):
             return None
         if isinstance(item, BaseException):

@@ -176,8 +176,7 @@ def build_optimizer(model: torch.nn.Module, optim: OptimizerConfig, *, offload: 
     ``offload``: DeepSpeed's CPU Adam (--ds.adam_offload). ``movable`` (--ds.enable_sleep on a
     GPU): DeepSpeed's FusedAdam, the only optimizer ZeRO-3's ``offload_states`` moves (it asserts
     so; torch's fused AdamW failed there on an H200 at the first offload)."""
-    if optim.optim != "adam":
-        raise ConfigError(f"--optim {optim.optim} is not available in this trainer yet; use adam")
+    assert optim.optim == "adam", "OptimizerConfig refuses every other optimizer before anything loads"
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": optim.adam.weight_decay},
               {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]

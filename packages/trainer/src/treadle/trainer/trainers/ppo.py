@@ -1,7 +1,8 @@
 """PPO-family RL (PPO, REINFORCE++, REINFORCE++-baseline, GRPO, Dr. GRPO, RLOO): the loop.
 
 One RL step: rank 0 gathers ``--rollout.batch_size`` complete groups (``n`` samples per prompt)
-from the generator (synchronously, or from the asynchronous producer's queue), appends each to
+from the generator (synchronously, in rounds of ``--rollout.vllm_generate_batch_size`` prompts,
+or from the asynchronous producer's queue), appends each to
 the durable trajectory log before using it, drops failed groups, groups outside DAPO's filter and
 (async) samples staler than ``--train.async_queue_size`` versions, and broadcasts the
 trajectories to every rank. Every rank scores its share (old-policy / reference logprobs,
@@ -133,7 +134,7 @@ class PPOTrainer:
             group = gen.next_group()
         else:
             assert self.stream is not None
-            items = self.stream.take(cfg.rollout.batch_size)
+            items = self.stream.take(cfg.rollout.generate_batch_size)  # a round; a step may take several
             if not items:
                 return None
             groups = gen.collect(items)
@@ -240,6 +241,7 @@ class PPOTrainer:
 
     @torch.no_grad()
     def _score_with_reward_model(self, exps: list[Experience]) -> None:
+        from treadle.trainer.models.reward_model import on_device  # noqa: PLC0415
         from treadle.trainer.models.value_model import token_values  # noqa: PLC0415
         from treadle.trainer.rl.experience import collate  # noqa: PLC0415
 
@@ -248,12 +250,13 @@ class PPOTrainer:
         if self.cfg.reward.normalize_enable:  # the statistics the RM trainer stored with the model
             mean = float(getattr(rm.config, "reward_mean", 0.0))
             std = float(getattr(rm.config, "reward_std", 1.0)) or 1.0
-        for lo in range(0, len(exps), self.score_batching.micro_batch):
-            group = exps[lo:lo + self.score_batching.micro_batch]
-            ab = collate(group, packing=self.batching.packing, pad_id=self.batching.pad_id, device=self.dist.device)
-            scores = rm.scores(token_values(rm, ab.batch, self.p.ring), ab.batch).float().cpu().tolist()
-            for e, value in zip(group, scores, strict=True):
-                e.reward = (value - mean) / std
+        with on_device(rm, self.dist.device, offload=self.cfg.reward.offload):
+            for lo in range(0, len(exps), self.score_batching.micro_batch):
+                group = exps[lo:lo + self.score_batching.micro_batch]
+                ab = collate(group, packing=self.batching.packing, pad_id=self.batching.pad_id, device=self.dist.device)
+                scores = rm.scores(token_values(rm, ab.batch, self.p.ring), ab.batch).float().cpu().tolist()
+                for e, value in zip(group, scores, strict=True):
+                    e.reward = (value - mean) / std
 
     def train_on(self, exps: list[Experience], step: int) -> dict[str, float]:
         """``max_epochs`` passes over ``exps`` in optimizer steps; critic then actor."""
@@ -316,6 +319,18 @@ class PPOTrainer:
         if torch.distributed.is_initialized():
             torch.distributed.barrier()
 
+    def export_critic(self, out: Path) -> None:
+        """The critic in HF format (collective; ``--critic.save_value_network``): a sequence-
+        classification model with its value head, as a trained reward model is exported."""
+        from treadle.trainer.checkpoint.export import full_state_dict, save_reward_model  # noqa: PLC0415
+
+        state = full_state_dict(self.p.critic, zero_stage=self.cfg.ds.zero_stage, is_main=self.dist.is_main)
+        if self.dist.is_main:
+            module = self.p.critic.module
+            save_reward_model(state, module.config, self.p.tokenizer, out, head_prefix=module.head_prefix)
+        if torch.distributed.is_initialized():
+            torch.distributed.barrier()
+
     def sync_weights(self, version: int) -> dict[str, float]:
         if self.dist.is_main:
             self._wake()  # engines load weights awake (colocated: they slept through training)
@@ -361,8 +376,8 @@ class PPOTrainer:
         self._first_sync(state)
         if main and cfg.train.async_enable:
             self.p.generator.publish(self.version)
-            self.p.generator.start_async(self.stream, batch=cfg.rollout.batch_size, max_ahead=cfg.train.async_queue_size,
-                                         base_version=self.version)
+            self.p.generator.start_async(self.stream, batch=cfg.rollout.generate_batch_size,
+                                         per_step=cfg.rollout.batch_size, max_ahead=cfg.train.async_queue_size)
         total = self.total_steps
         bar = tqdm(total=total, initial=state.global_step, disable=not main, desc="ppo", dynamic_ncols=True)
         saved_at = state.global_step if state.global_step else None
@@ -415,6 +430,8 @@ class PPOTrainer:
         if saved_at != state.global_step:
             self.save(state)
         self.export(Path(cfg.ckpt.output_dir))
+        if cfg.critic.save_value_network:  # the config allows it with a critic (gae) only
+            self.export_critic(Path(cfg.critic_output_dir))
         return state
 
     def _best_key(self) -> str | None:

@@ -94,11 +94,8 @@ def load_prompts(cfg: PPOConfig) -> tuple[list[Prompt], list[Prompt]]:
 
 
 def opt_steps_per_rl_step(cfg: PPOConfig) -> int:
-    samples = cfg.rollout.batch_size * cfg.rollout.n_samples_per_prompt
-    if samples % cfg.train.batch_size:
-        raise ConfigError(f"--rollout.batch_size x --rollout.n_samples_per_prompt = {samples} samples per rollout "
-                          f"must be a multiple of --train.batch_size {cfg.train.batch_size}")
-    return samples // cfg.train.batch_size
+    """Optimizer steps per RL step (the config checked that the rollout divides into them)."""
+    return cfg.rollout.batch_size * cfg.rollout.n_samples_per_prompt // cfg.train.batch_size
 
 
 def engines(cfg: PPOConfig, dist: DistInfo, dp_world: int, total_opt_steps: int) -> tuple[Any, Any | None]:
@@ -131,12 +128,9 @@ def frozen_models(cfg: PPOConfig, dist: DistInfo, ring: Any) -> tuple[Reference 
         path = cfg.ref.model_name_or_path or cfg.actor.model_name_or_path
         reference = build.reference(path, cfg.ds, dist, offload=cfg.ref.offload, ring=ring)
     reward_model = None
-    if cfg.reward.model_paths:
-        if len(cfg.reward.model_paths) > 1:
-            raise ConfigError(f"--reward.model_name_or_path lists {len(cfg.reward.model_paths)} models; "
-                              "this trainer scores with one reward model")
+    if cfg.reward.model_paths:  # one (the config refuses a list)
         reward_model = RewardModel.from_pretrained(cfg.reward.model_paths[0], cfg.ds).eval().requires_grad_(False)
-        reward_model.to(dist.device)
+        reward_model.to("cpu" if cfg.reward.offload else dist.device)  # --reward.offload: visits the device to score
     return reference, reward_model
 
 
@@ -162,12 +156,9 @@ def executor(cfg: PPOConfig, *, sampler: Any, chat: Any, sampling: SamplingParam
 
         return AgentFileExecutor(cfg.train.agent_func_path, sampler=sampler, chat=chat, sampling=sampling, config=config)
     reward = None
-    if cfg.reward.remote_urls:
+    if cfg.reward.remote_urls:  # one (the config refuses a list)
         from treadle.agents.rewards import reward_source  # noqa: PLC0415
 
-        if len(cfg.reward.remote_urls) > 1:
-            raise ConfigError(f"--reward.remote_url lists {len(cfg.reward.remote_urls)} sources; give one "
-                              "(combine several rewards in one function file or reward server)")
         reward = reward_source(cfg.reward.remote_urls[0], timeout_s=cfg.reward.timeout_s,
                                retry_s=cfg.reward.retry_s, curve_dir=cfg.reward.curve_dir, token=cfg.reward.bearer)
     return SingleTurnExecutor(reward=reward, sampler=sampler, chat=chat, sampling=sampling, config=config)
@@ -245,9 +236,7 @@ def sender(parts: PPOParts) -> Any:
     from treadle.trainer.weights.sender import SenderConfig, WeightSender  # noqa: PLC0415
 
     cfg = parts.cfg
-    transport, backend, why = sync_route(cfg, cuda=torch.cuda.is_available())
-    if why and parts.dist.is_main:
-        log.warning(why)
+    transport, backend = sync_route(cfg, cuda=torch.cuda.is_available())
     conf = SenderConfig(transport=transport, backend=backend, bucket_bytes=cfg.vllm.bucket_mb << 20,
                         dtype=DTYPES[cfg.ds.param_dtype], mode="abort" if cfg.train.partial_rollout_enable else "wait",
                         host=cfg.vllm.sync_host)
@@ -255,46 +244,36 @@ def sender(parts: PPOParts) -> Any:
                         is_main=parts.dist.is_main)
 
 
-def sync_route(cfg: PPOConfig, *, cuda: bool) -> tuple[str, str, str]:
-    """``(transport, backend, why)`` of the weight sync ``cfg`` asks for, where it can work
-    (pure; ``why`` says what was changed, else ""). On CPU: gloo. With ``--train.colocate_all`` on
-    CUDA the engines share the trainer's GPUs, rank 0's among them, and NCCL refuses a group
-    holding two processes of one GPU ("Duplicate GPU detected"): nccl becomes gloo there.
-    cuda_ipc: engines on rank 0's GPU copy out of its packed buckets (needs CUDA, and for a daemon
-    started here one engine on one GPU)."""
-    backend, why = cfg.vllm.sync_backend, ""
+def sync_route(cfg: PPOConfig, *, cuda: bool) -> tuple[str, str]:
+    """``(transport, backend)`` of the weight sync (pure). ``--vllm.sync_backend`` unset picks per
+    placement: nccl on CUDA; gloo on CPU, and with ``--train.colocate_all`` (the engines share the
+    trainer's GPUs, rank 0's among them, and NCCL refuses a group holding two processes of one GPU).
+    A backend given is used as given, or refused (ConfigError) where it cannot work: what only the
+    config decides is refused at parse time (``config.commands``), what needs CUDA here. cuda_ipc:
+    engines on rank 0's GPU copy out of its packed buckets."""
+    backend = cfg.vllm.sync_backend
     if backend == "cuda_ipc":
         if not cuda:
             raise ConfigError("--vllm.sync_backend cuda_ipc shares GPU memory: it needs CUDA (on CPU, gloo)")
-        v = cfg.vllm
-        if v.endpoint is None and v.num_engines * v.tensor_parallel_size > 1:
-            raise ConfigError(f"--vllm.sync_backend cuda_ipc serves engines on rank 0's GPU, and a daemon started here "
-                              f"puts its {v.num_engines * v.tensor_parallel_size} engine GPUs on GPUs of their own; "
-                              "use gloo")
-        return "cuda_ipc", "nccl", why
-    if not cuda:
-        backend = "gloo"
-    elif cfg.train.colocate_all and backend == "nccl":
-        backend, why = "gloo", ("--train.colocate_all puts engines on the trainer's GPUs and NCCL cannot hold two "
-                                "processes of one GPU in a group: weights go over gloo (slower; --vllm.sync_backend "
-                                "cuda_ipc for engines on rank 0's GPU, hf or vLLM)")
-    return "collective", backend, why
+        return "cuda_ipc", "nccl"
+    if backend == "nccl" and not cuda:
+        raise ConfigError("--vllm.sync_backend nccl needs CUDA: on CPU use gloo, or leave it unset")
+    if backend is None:
+        backend = "nccl" if cuda and not cfg.train.colocate_all else "gloo"
+    return "collective", backend
 
 
 def build_parts(cfg: PPOConfig) -> PPOParts:
     """Everything, in the order that fails fastest on bad input (data before models before daemons)."""
-    if cfg.train.colocate_all and cfg.train.async_enable:
-        raise ConfigError("--train.colocate_all with --train.async_enable: colocated engines cannot generate "
-                          "while the trainer trains; pick one")
     from treadle.trainer.ring.group import data_parallel  # noqa: PLC0415
 
-    sync_route(cfg, cuda=torch.cuda.is_available())  # refuses what cannot work before anything starts
+    # What depends on this machine (CUDA) is refused here, before anything starts; what the config
+    # alone decides was refused when it was parsed.
+    sync_route(cfg, cuda=torch.cuda.is_available())
     if cfg.ds.enable_sleep and cfg.ds.adam_offload and torch.cuda.is_available():
         raise ConfigError("--ds.enable_sleep moves the optimizer's states off the GPU with ZeRO-3's offload_states, "
                           "which takes DeepSpeed's FusedAdam only; --ds.adam_offload runs DeepSpeed's CPU Adam: "
                           "pick one")
-    if cfg.ds.enable_sleep and cfg.ds.zero_stage != 3:
-        raise ConfigError(f"--ds.enable_sleep offloads ZeRO-3 states between phases: needs --ds.zero_stage 3, got {cfg.ds.zero_stage}")
     dist = build.start(cfg, ring_supported=True, sleep_supported=True)
     ring = build.ring_group(cfg, dist)
     dp = data_parallel(dist, ring)

@@ -1,0 +1,196 @@
+"""Flags that were accepted and never read, now doing what they say (issue 29):
+
+- ``--rollout.vllm_generate_batch_size``: prompts per generation round; below ``--rollout.batch_size``
+  a synchronous step takes several rounds, above it (async) a round over-samples and the producer
+  waits for the steps to consume it, within the staleness bound;
+- ``--critic.save_value_network``: the critic exported in HF format, loadable as a sequence
+  classifier whose scores are the critic's values;
+- ``--reward.offload``: the reward model visits the accelerator only while it scores.
+
+The field walk that found them, and the flags refused instead, are in ``test_config_fields.py``.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from collections.abc import Callable
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from treadle.common.rpc import LoopThread
+from treadle.trainer.config import parse_ppo
+from treadle.trainer.config.deepspeed import DeepSpeedConfig
+from treadle.trainer.rl.generation import Generator, Group, Prompt, PromptStream
+from treadle.trainer.trainers.ppo import PPOTrainer
+
+FP32 = DeepSpeedConfig(param_dtype="fp32", attn_implementation="sdpa")
+PPO = ["--actor.model_name_or_path", "m", "--data.prompt_dataset", "p.jsonl", "--reward.remote_url", "r.py",
+       "--algo.advantage.estimator", "group_norm", "--rollout.n_samples_per_prompt", "2",
+       "--actor.num_gpus_per_node", "1", "--rollout.batch_size", "4", "--train.batch_size", "8"]
+
+
+def _prompts(n: int) -> list[Prompt]:
+    return [Prompt(prompt=f"p{i}", label=None) for i in range(n)]
+
+
+def _wait_until(check: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+class _Executor:
+    """Finishes every episode at once; records the uids it ran."""
+
+    def __init__(self) -> None:
+        self.uids: list[str] = []
+
+    async def run(self, episode: Any) -> Any:
+        self.uids.append(episode.uid)
+        return SimpleNamespace(uid=episode.uid, finish_reason="stop")
+
+
+@pytest.fixture
+def generator():
+    lt = LoopThread(name="test-generator")
+    ex = _Executor()
+    gen = Generator(executor=ex, eval_executor=ex, n=1, lt=lt)
+    yield gen, ex
+    gen.stop()
+    lt.stop()
+
+
+def _started(ex: _Executor) -> int:
+    return len(ex.uids)
+
+
+def _settled(ex: _Executor, expected: int) -> None:
+    """The producer started ``expected`` groups and, given time, no more."""
+    _wait_until(lambda: _started(ex) >= expected)
+    time.sleep(0.2)
+    assert _started(ex) == expected
+
+
+def test_async_rounds_over_sample_and_wait_for_the_steps_to_consume_them(generator):
+    gen, ex = generator
+    gen.publish(0)
+    # rounds of 6 prompts, steps of 4 groups, 1 version ahead: at most (1 + 1) x 4 groups unconsumed
+    gen.start_async(PromptStream(_prompts(40), episodes=1, seed=0), batch=6, per_step=4, max_ahead=1)
+    _settled(ex, 6)  # a second round would put 12 > 8 ahead
+    for _ in range(4):
+        assert isinstance(gen.next_group(timeout=5), Group)
+    _settled(ex, 6)  # taken, but the step is not trained yet
+    gen.publish(1)  # step 1 consumed 4: 6 + 6 - 4 = 8
+    _settled(ex, 12)
+    for _ in range(6):
+        gen.next_group(timeout=5)
+    gen.publish(2)  # 10 consumed: 12 + 6 - 10 = 8
+    _settled(ex, 18)
+    for _ in range(8):  # the trainer takes every group started (a filter dropped them): it must not wait
+        gen.next_group(timeout=5)
+    _settled(ex, 24)
+
+
+def test_async_rounds_of_one_step_keep_the_version_bound(generator):
+    """The default (a step's prompts a round): round b starts once step b - max_ahead is trained, as
+    the version gate it replaces did."""
+    gen, ex = generator
+    gen.publish(0)
+    gen.start_async(PromptStream(_prompts(40), episodes=1, seed=0), batch=4, per_step=4, max_ahead=1)
+    _settled(ex, 8)
+    for _ in range(4):
+        gen.next_group(timeout=5)
+    gen.publish(1)
+    _settled(ex, 12)
+
+
+def _sync_trainer(*extra: str) -> tuple[PPOTrainer, list[int]]:
+    """A PPOTrainer's rank-0 gathering side over fakes; the sizes of the rounds it generates."""
+    cfg = parse_ppo([*PPO, *extra])
+    rounds: list[int] = []
+
+    def collect(items):
+        rounds.append(len(items))
+        return [Group(seq=seq, trajectories=[SimpleNamespace(uid=f"{seq}.0", finish_reason="stop", score=1.0,
+                                                             reward=1.0)]) for seq, _ in items]
+
+    trainer = PPOTrainer.__new__(PPOTrainer)
+    trainer.cfg, trainer.version, trainer.pending = cfg, 0, collections.deque()
+    trainer.p = SimpleNamespace(generator=SimpleNamespace(collect=collect),
+                                trajlog=SimpleNamespace(append_group=lambda seq, trajs: None))
+    trainer.stream = PromptStream(_prompts(16), episodes=1, seed=0)
+    return trainer, rounds
+
+
+def test_sync_steps_generate_in_rounds_of_the_generate_batch_size():
+    trainer, rounds = _sync_trainer("--rollout.vllm_generate_batch_size", "2")
+    trajs, dropped, _ = trainer.gather_batch()
+    assert len(trajs) == 4 and not dropped and rounds == [2, 2]
+    default, rounds = _sync_trainer()
+    default.gather_batch()
+    assert rounds == [4]
+
+
+def test_critic_is_exported_as_a_sequence_classifier(tiny, tokenizer, tmp_path):
+    from transformers import AutoModelForSequenceClassification
+
+    from treadle.trainer.models.critic import Critic
+
+    torch.manual_seed(0)
+    critic = Critic.from_pretrained(str(tiny), FP32).eval()
+    cfg = parse_ppo([*PPO, "--algo.advantage.estimator", "gae", "--critic.model_name_or_path", str(tiny),
+                     "--critic.save_value_network", "--ckpt.output_dir", str(tmp_path / "final"),
+                     "--ds.param_dtype", "fp32"])
+    trainer = PPOTrainer.__new__(PPOTrainer)
+    trainer.cfg, trainer.dist = cfg, SimpleNamespace(is_main=True)
+    trainer.p = SimpleNamespace(critic=SimpleNamespace(module=critic), tokenizer=tokenizer)
+    trainer.export_critic(Path(cfg.critic_output_dir))
+    out = tmp_path / "final_critic"
+    hf = AutoModelForSequenceClassification.from_pretrained(out).eval()
+    assert hf.config.num_labels == 1 and (out / "tokenizer_config.json").is_file()
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    with torch.no_grad():
+        assert torch.allclose(critic(input_ids=ids)[0], hf.score(hf.model(input_ids=ids).last_hidden_state)[0, :, 0],
+                              atol=1e-5)
+
+
+class _Recorded(torch.nn.Linear):
+    def __init__(self) -> None:
+        super().__init__(2, 1)
+        self.moves: list[str] = []
+
+    def to(self, *args: Any, **kwargs: Any) -> Any:
+        self.moves.append(str(args[0]))
+        return super().to(*args, **kwargs)
+
+
+def test_an_offloaded_reward_model_visits_the_device_only_to_score():
+    from treadle.trainer.models.reward_model import on_device
+
+    m = _Recorded()
+    with on_device(m, torch.device("cpu"), offload=True):
+        assert m.moves == ["cpu"]
+    assert m.moves == ["cpu", "cpu"]
+    kept = _Recorded()
+    with on_device(kept, torch.device("cpu"), offload=False):
+        pass
+    assert kept.moves == []
+
+
+@pytest.mark.gpu
+def test_an_offloaded_reward_model_lives_in_cpu_memory_between_uses():
+    from treadle.trainer.models.reward_model import on_device
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    m = torch.nn.Linear(4, 1)
+    with on_device(m, torch.device("cuda"), offload=True):
+        assert m.weight.is_cuda
+        score = m(torch.ones(1, 4, device="cuda"))
+    assert not m.weight.is_cuda and score.is_cuda
