@@ -45,6 +45,7 @@ class Recipe:
     rl_prompts: int = 32  # prompts per GRPO step
     group_size: int = 8  # samples per prompt (GRPO's group)
     rl_lr: float = 1e-4  # GRPO learning rate (constant after 5% warm-up); 3e-4 already unlearns
+    kl_coef: float = 0.0  # KL loss coefficient against the SFT model; 0: no reference model runs
     max_new_tokens: int = 12  # "\boxed{108}" + <|im_end|> is 10 tokens
     eval_every: int = 12  # trainer's greedy pass@1 on the eval split every this many GRPO steps
     sampled_n: int = 4  # samples per eval prompt for the sampled (temperature 1) accuracy
@@ -72,8 +73,10 @@ def free_endpoint() -> str:
 def serve_command(model: Path, endpoint: str, seed: int, gpu: bool = False) -> list[str]:
     """One vLLM engine: on CPU fp32 like the trainer (so its logprobs match), unpinned (the
     trainer and the engine take turns on the same two cores); ``gpu``: bf16 on GPU 0, beside the
-    trainer, with a third of its memory."""
-    where = (["--engine.dtype", "bfloat16", "--gpu_ids", "0", "--engine.gpu_memory_utilization", "0.3"] if gpu
+    trainer, with a third of its memory, eager (answers of 12 tokens: CUDA graphs would cost more
+    start-up than they save)."""
+    where = (["--engine.dtype", "bfloat16", "--gpu_ids", "0", "--engine.gpu_memory_utilization", "0.3",
+              "--engine.enforce_eager"] if gpu
              else ["--engine.dtype", "float32", "--no_cpu_bind"])
     return [sys.executable, "-m", "treadle.rollout", "serve", "--model", str(model), "--engines", "1",
             "--backend", "vllm", "--endpoint", endpoint, "--engine.max_model_len", "64", "--engine.seed", str(seed),
@@ -99,8 +102,9 @@ def ppo_command(r: Recipe, *, model: Path, prompts: Path, num_prompts: int, eval
     """``treadle-train ppo`` as GRPO with the built-in math verifier, on the demo's daemon.
 
     One optimizer step per rollout batch (strictly on-policy, so no scoring pass is needed), no
-    KL term (no reference model to run), greedy pass@1 on the eval split every ``eval_every``
-    steps for the curve; no best-checkpoint saves (they cost time and the demo exports the last).
+    KL term unless ``kl_coef`` (then the SFT model runs as the reference), greedy pass@1 on the eval
+    split every ``eval_every`` steps for the curve; no best-checkpoint saves (they cost time and the
+    demo exports the last).
     ``gpu``: the weights reach the engine on the trainer's GPU over CUDA IPC."""
     sync = ["--vllm.sync_backend", "cuda_ipc", "--vllm.bucket_mb", "256"] if gpu else ["--vllm.bucket_mb", "1"]
     passes, used = r.episodes(num_prompts)
@@ -108,7 +112,7 @@ def ppo_command(r: Recipe, *, model: Path, prompts: Path, num_prompts: int, eval
     return [sys.executable, "-m", "treadle.trainer.cli", "ppo", "--actor.model_name_or_path", str(model),
             "--data.prompt_dataset", str(prompts), "--data.input_key", "prompt", "--data.label_key", "label",
             "--data.max_samples", str(used), "--train.num_episodes", str(passes), "--data.prompt_max_len", "16",
-            "--reward.remote_url", "math", "--algo.advantage.estimator", "group_norm", "--algo.kl.init_coef", "0",
+            "--reward.remote_url", "math", "--algo.advantage.estimator", "group_norm", "--algo.kl.init_coef", f"{r.kl_coef:g}",
             "--rollout.batch_size", str(r.rl_prompts), "--rollout.n_samples_per_prompt", str(r.group_size),
             "--rollout.max_new_tokens", str(r.max_new_tokens), "--rollout.temperature", "1.0",
             "--rollout.micro_batch_size", str(samples), "--train.batch_size", str(samples),

