@@ -22,6 +22,7 @@ from treadle.common.config import (
     switch_only,
     to_dict,
     validate,
+    value_alias,
 )
 
 
@@ -51,6 +52,8 @@ class Data:
 
     max_len: Annotated[int, alias("--max_length")] = 16
     """A field with an extra (un-dotted) spelling."""
+    style: Annotated[Literal["plain", "chat"], value_alias("--chat_enable", "chat")] = "plain"
+    """A choice one value of which also has a switch of its own."""
 
 
 @configclass
@@ -108,6 +111,26 @@ def test_tri_state_flag_takes_a_value_or_stands_alone_as_true():
 def test_alias_spelling_parses_to_the_field():
     assert parse(Top, ["--max_length", "7"]).data.max_len == 7
     assert parse(Top, ["--data.max_len", "9"]).data.max_len == 9
+
+
+def test_value_alias_switch_sets_its_value():
+    assert parse(Top, []).data.style == "plain"
+    assert parse(Top, ["--chat_enable"]) == parse(Top, ["--data.style", "chat"])
+    assert parse(Top, ["--chat-enable", "--lr", "0.5"]).data.style == "chat"
+    assert parse(Top, ["--chat_enable", "--data.style", "plain"]).data.style == "plain"  # the last one wins
+    with pytest.raises(ConfigError, match=r"--chat_enable is a switch \(it means --data\.style chat\)"):
+        parse(Top, ["--chat_enable=1"])
+    assert "--chat_enable" in flag_names(Top)
+
+
+def test_a_value_alias_at_two_places_of_a_tree_is_refused():
+    @configclass
+    class Twice:
+        a: Data = Data()
+        b: Data = Data()
+
+    with pytest.raises(TypeError, match="--chat_enable is declared on both --a.style and --b.style"):
+        parse(Twice, [])
 
 
 def test_help_shows_alias_and_config(capsys, monkeypatch):

@@ -12,7 +12,9 @@ values (``--algo.advantage.is_correction_threshold 0.5 5.0``), ``X | None`` acce
 command line override it. ``dump_yaml`` writes the resolved tree of a run and ``load_yaml``
 reads it back equal. ``renamed`` maps retired flags to their new names: using one is an error
 that names the replacement (a user's flag is never rewritten silently); it may also map a flag
-to the reason it is refused (a feature not supported).
+to the reason it is refused (a feature not supported). Other spellings that are accepted are
+declared on their field: ``alias`` (another name of the flag) and ``value_alias`` (a switch that
+sets the field to one value, as OpenRLHF's ``--model.ipo_enable`` sets ``--actor.loss_type ipo``).
 
 Validation runs once, on the finished tree: while tyro and the YAML loader assemble it, the
 ``__post_init__`` checks are deferred, then ``validate`` runs them bottom-up (groups first, then
@@ -93,6 +95,26 @@ def alias(*names: str) -> Any:
     import tyro  # noqa: PLC0415  (only modules that declare aliases pay for tyro)
 
     return tyro.conf.arg(aliases=names)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ValueAlias:
+    """``Annotated`` metadata made by ``value_alias``: ``flag`` alone means this field is ``value``."""
+
+    flag: str
+    value: str
+
+
+def value_alias(flag: str, value: str) -> Any:
+    """``Annotated`` metadata: the bare switch ``flag`` is another spelling of this field set to ``value``.
+
+    For a store-true flag of OpenRLHF that picks one value of a treadle choice
+    (``value_alias("--model.ipo_enable", "ipo")`` on DPO's ``loss_type``). ``parse`` spells it out
+    as the field's own flag and value before tyro reads the line, so validation messages name the
+    field's flag; ``flag_names`` lists it. --help shows the field, not the switch: say it in the
+    field's docstring.
+    """
+    return ValueAlias(flag, value)
 
 
 def switch_only() -> Any:
@@ -366,12 +388,55 @@ def parse(cls: type[T], args: Sequence[str] | None = None, *, prog: str | None =
     argv = list(sys.argv[1:] if args is None else args)
     check_renamed(argv, renamed)
     config_file, argv = _split_config(argv)
+    argv = _spell_value_aliases(cls, argv)
     argv = _bare_tri_state(cls, argv)
     with deferred_validation():
         default = load_yaml(cls, Path(config_file), check=False) if config_file else cls()
         cfg = tyro.cli(cls, args=argv, prog=prog, description=_description(cls, description),
                        default=default, use_underscores=True)
     return validate(cfg)
+
+
+def _value_aliases(cls: type, prefix: str = "") -> dict[str, tuple[str, str]]:
+    """``value_alias`` switches of the tree of ``cls`` -> (the field's flag, the value)."""
+    out: dict[str, tuple[str, str]] = {}
+    hints = _hints(cls)
+    for f in dataclasses.fields(cls):
+        tp = hints[f.name]
+        if typing.get_origin(tp) is typing.Annotated:
+            for meta in tp.__metadata__:
+                if isinstance(meta, ValueAlias):
+                    _add_value_alias(out, meta.flag, (f"--{prefix}{f.name}", meta.value))
+        inner = _strip(tp)
+        if isinstance(inner, type) and dataclasses.is_dataclass(inner):
+            for flag, target in _value_aliases(inner, f"{prefix}{f.name}.").items():
+                _add_value_alias(out, flag, target)
+    return out
+
+
+def _add_value_alias(out: dict[str, tuple[str, str]], flag: str, target: tuple[str, str]) -> None:
+    if flag in out:  # e.g. a group holding one used at two places of the tree
+        raise TypeError(f"value_alias {flag} is declared on both {out[flag][0]} and {target[0]}")
+    out[flag] = target
+
+
+def _spell_value_aliases(cls: type, argv: list[str]) -> list[str]:
+    """``argv`` with each ``value_alias`` switch replaced by its field's flag and value."""
+    aliases = _value_aliases(cls)
+    out: list[str] = []
+    for i, arg in enumerate(argv):
+        if arg == "--":
+            return out + argv[i:]
+        name, eq, _ = arg.partition("=")
+        key = "--" + name[2:].replace("-", "_") if name.startswith("--") else name
+        if key not in aliases:
+            out.append(arg)
+            continue
+        flag, value = aliases[key]
+        if eq:
+            raise ConfigError(f"{name} is a switch (it means {flag} {value}): give it alone, without a value")
+        out += [flag, value]
+    return out
 
 
 def _bare_tri_state(cls: type, argv: list[str]) -> list[str]:
@@ -406,6 +471,7 @@ def _parser_actions(cls: type) -> list[Any]:
 
 
 def flag_names(cls: type) -> list[str]:
-    """Every option string the command line of ``cls`` accepts (aliases, ``--no_*``, ``--config``), sorted."""
+    """Every option string the command line of ``cls`` accepts (aliases, value aliases, ``--no_*``,
+    ``--config``), sorted."""
     names = {s for action in _parser_actions(cls) for s in action.option_strings}
-    return sorted(names | {CONFIG_FLAG})
+    return sorted(names | set(_value_aliases(cls)) | {CONFIG_FLAG})
