@@ -6,16 +6,27 @@ own optimizer (``--actor.adam.lr``, ``--critic.adam.lr``). The actor's ``num_nod
 in those ranks too (OpenRLHF's colocated placement), so their own placement flags default to None
 (the actor's) and another value is refused (``commands``). Loading models is the trainer's job;
 nothing here touches weights.
+
+The model a single-model recipe trains (``ModelConfig`` and its subclasses) sits at ``--actor.*``,
+as OpenRLHF's README spells it; OpenRLHF's cli code and example scripts for SFT / RM / DPO spell
+the same group ``--model.*``, so each of its fields also takes ``--model.<field>`` (declared on the
+field with ``_model``), and DPO's ``--model.ipo_enable`` switch is ``--actor.loss_type ipo``. PPO's
+roles have no ``--model.*`` spelling: OpenRLHF's PPO says ``--actor.*`` too.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from treadle.common.config import ConfigError, configclass, secret
+from treadle.common.config import ConfigError, alias, configclass, secret, value_alias
 from treadle.trainer.config.optim import OptimizerConfig
 from treadle.trainer.config.rollout import require_client_keys
+
+
+def _model(field: str) -> Any:
+    """``Annotated`` metadata: OpenRLHF's ``--model.<field>`` spelling of a single-model recipe's field."""
+    return alias(f"--model.{field}")
 
 
 def _check_model(cfg: Any) -> None:
@@ -34,13 +45,13 @@ def _check_placement(cfg: Any) -> None:
 class ModelConfig:
     """A model trained by a single-model recipe (SFT, RM, DPO, ...)."""
 
-    model_name_or_path: str | None = None
+    model_name_or_path: Annotated[str | None, _model("model_name_or_path")] = None
     """HF model name or local path to start from (required)."""
-    gradient_checkpointing_enable: bool = False
+    gradient_checkpointing_enable: Annotated[bool, _model("gradient_checkpointing_enable")] = False
     """Recompute activations in the backward pass to save memory."""
-    gradient_checkpointing_reentrant: bool = False
+    gradient_checkpointing_reentrant: Annotated[bool, _model("gradient_checkpointing_reentrant")] = False
     """Use the reentrant flavour of torch checkpointing."""
-    aux_loss_coef: float = 0.0
+    aux_loss_coef: Annotated[float, _model("aux_loss_coef")] = 0.0
     """Weight of the MoE load-balancing loss (0: off)."""
 
     def __post_init__(self) -> None:
@@ -53,9 +64,9 @@ class ModelConfig:
 class SFTModelConfig(ModelConfig):
     """The model fine-tuned by SFT."""
 
-    pretrain_mode_enable: bool = False
+    pretrain_mode_enable: Annotated[bool, _model("pretrain_mode_enable")] = False
     """Continued pre-training: loss on every token, prompts included."""
-    loss_agg_mode: Literal["token-mean", "seq-mean-token-mean"] = "token-mean"
+    loss_agg_mode: Annotated[Literal["token-mean", "seq-mean-token-mean"], _model("loss_agg_mode")] = "token-mean"
     """token-mean: every target token of the step weighs the same; seq-mean-token-mean: each sequence's
     token mean, averaged over the step's sequences (OpenRLHF's SFTLoss(token_level_loss=False))."""
 
@@ -64,11 +75,11 @@ class SFTModelConfig(ModelConfig):
 class RMModelConfig(ModelConfig):
     """The reward model being trained (a value head on a causal LM)."""
 
-    loss_type: Literal["sigmoid", "logexp"] = "sigmoid"
+    loss_type: Annotated[Literal["sigmoid", "logexp"], _model("loss_type")] = "sigmoid"
     """Pairwise loss: -log sigmoid(r_chosen - r_rejected), or log(1 + exp(r_rejected - r_chosen))."""
-    margin_loss_enable: bool = False
+    margin_loss_enable: Annotated[bool, _model("margin_loss_enable")] = False
     """Subtract the dataset's per-pair margin inside the loss."""
-    compute_fp32_loss_enable: bool = False
+    compute_fp32_loss_enable: Annotated[bool, _model("compute_fp32_loss_enable")] = False
     """Compute the loss in fp32: accepted for OpenRLHF's scripts, and what treadle always does
     (``losses.rm`` casts the scores to fp32 whatever this says)."""
 
@@ -80,13 +91,14 @@ PreferenceLoss = Literal["sigmoid", "ipo"]
 class DPOModelConfig(ModelConfig):
     """The policy trained by DPO / IPO / cDPO."""
 
-    loss_type: PreferenceLoss = "sigmoid"
-    """sigmoid: DPO (cDPO when label_smoothing > 0); ipo: IPO's squared loss."""
-    beta: float = 0.1
+    loss_type: Annotated[PreferenceLoss, _model("loss_type"), value_alias("--model.ipo_enable", "ipo")] = "sigmoid"
+    """sigmoid: DPO (cDPO when label_smoothing > 0); ipo: IPO's squared loss (--model.ipo_enable,
+    OpenRLHF's switch, alone means ipo)."""
+    beta: Annotated[float, _model("beta")] = 0.1
     """Strength of the implicit KL constraint (DPO's beta; IPO's regulariser tau)."""
-    label_smoothing: float = 0.0
+    label_smoothing: Annotated[float, _model("label_smoothing")] = 0.0
     """cDPO: assumed share of flipped preference labels, in [0, 0.5)."""
-    nll_loss_coef: float = 0.0
+    nll_loss_coef: Annotated[float, _model("nll_loss_coef")] = 0.0
     """Weight of an SFT loss on the chosen answers added to the preference loss (0: off)."""
 
     def __post_init__(self) -> None:
@@ -96,7 +108,7 @@ class DPOModelConfig(ModelConfig):
         if not 0 <= self.label_smoothing < 0.5:
             raise ConfigError(f"--label_smoothing must be in [0, 0.5), got {self.label_smoothing}")
         if self.label_smoothing > 0 and self.loss_type == "ipo":
-            raise ConfigError("--label_smoothing (cDPO) applies to --loss_type sigmoid, not ipo")
+            raise ConfigError("--label_smoothing (cDPO) applies to --loss_type sigmoid, not ipo (--model.ipo_enable)")
         if not self.nll_loss_coef >= 0:
             raise ConfigError(f"--nll_loss_coef must be >= 0, got {self.nll_loss_coef}")
 
@@ -105,11 +117,11 @@ class DPOModelConfig(ModelConfig):
 class KTOModelConfig(ModelConfig):
     """The policy trained by KTO."""
 
-    beta: float = 0.1
+    beta: Annotated[float, _model("beta")] = 0.1
     """Strength of the implicit KL constraint."""
-    desirable_weight: float = 1.0
+    desirable_weight: Annotated[float, _model("desirable_weight")] = 1.0
     """Loss weight of desirable answers (lambda_D)."""
-    undesirable_weight: float = 1.0
+    undesirable_weight: Annotated[float, _model("undesirable_weight")] = 1.0
     """Loss weight of undesirable answers (lambda_U)."""
 
     def __post_init__(self) -> None:

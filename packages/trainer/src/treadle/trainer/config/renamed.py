@@ -12,7 +12,10 @@ to the reason instead of a replacement: using one is an error saying so, where t
 say "Unrecognized options".
 
 Not here: spellings that are still accepted (``--prompt_max_len``, ``--generate_max_len``,
-``--chosen_key``, ``--rejected_key``): those are aliases declared on their fields.
+``--chosen_key``, ``--rejected_key``, and the ``--model.*`` group of OpenRLHF's SFT / RM / DPO
+commands, which is treadle's ``--actor.*`` there): those are aliases declared on their fields
+(``config.model``). PPO refuses ``--model.*`` naming its ``--actor.*`` flag: OpenRLHF's PPO
+spells its policy ``--actor.*`` as treadle does.
 """
 
 from __future__ import annotations
@@ -33,9 +36,7 @@ _SHARED: dict[str, str] = {
     **_UNSUPPORTED,
     # models
     "--pretrain": "--actor.model_name_or_path",
-    "--model.model_name_or_path": "--actor.model_name_or_path",
     "--gradient_checkpointing": "--actor.gradient_checkpointing_enable",
-    "--model.gradient_checkpointing_enable": "--actor.gradient_checkpointing_enable",
     "--gradient_checkpointing_use_reentrant": "--actor.gradient_checkpointing_reentrant",
     "--aux_loss_coef": "--actor.aux_loss_coef",
     # checkpoints, logging, eval
@@ -110,18 +111,14 @@ RENAMED_SFT: Mapping[str, str] = MappingProxyType({
     "--output_key": "--data.output_key",
     "--multiturn": "--data.multiturn",
     "--pretrain_mode": "--actor.pretrain_mode_enable",
-    "--model.pretrain_mode_enable": "--actor.pretrain_mode_enable",
 })
 
 RENAMED_RM: Mapping[str, str] = MappingProxyType({
     **_SHARED, **_SUPERVISED,
     "--prompt_key": "--data.prompt_key",
     "--loss": "--actor.loss_type",
-    "--model.loss_type": "--actor.loss_type",
     "--margin_loss": "--actor.margin_loss_enable",
-    "--model.margin_loss_enable": "--actor.margin_loss_enable",
     "--compute_fp32_loss": "--actor.compute_fp32_loss_enable",
-    "--model.compute_fp32_loss_enable": "--actor.compute_fp32_loss_enable",
 })
 
 _PREFERENCE: dict[str, str] = {
@@ -151,8 +148,13 @@ _PLACEMENT = {
     for role in ("actor", "critic", "ref", "reward") for what in ("num_nodes", "num_gpus_per_node")
 }
 
+_OFFLINE_MODEL = {  # OpenRLHF's SFT / RM / DPO spelling of the policy's fields that PPO's actor has too
+    f"--model.{name}": f"--actor.{name}" for name in (
+        "model_name_or_path", "gradient_checkpointing_enable", "gradient_checkpointing_reentrant", "aux_loss_coef")
+}
+
 RENAMED_PPO: Mapping[str, str] = MappingProxyType({
-    **_SHARED, **_PLACEMENT,
+    **_SHARED, **_PLACEMENT, **_OFFLINE_MODEL,
     "--reward_pretrain": "--reward.model_name_or_path",
     "--critic_pretrain": "--critic.model_name_or_path",
     "--remote_rm_url": "--reward.remote_url",
