@@ -399,10 +399,23 @@ def test_invalid_ppo_combinations_name_the_flag(extra, flag):
     assert flag in str(exc.value)
 
 
-def test_gae_without_any_critic_source_is_an_error():
+def test_gae_without_a_critic_flag_starts_the_critic_as_openrlhf_does():
+    # OpenRLHF's train_ppo_ray: the first reward model when rewards come from one, else the actor's
     argv = _without(ppo_argv(), "--reward.model_name_or_path")
-    with pytest.raises(ConfigError, match=r"gae needs a critic: set --critic\.model_name_or_path"):
-        parse_ppo([*argv, "--reward.remote_url", "http://h/r"])
+    remote = parse_ppo([*argv, "--reward.remote_url", "http://h/r"])
+    assert remote.algo.advantage.estimator == "gae" and remote.critic.model_name_or_path is None
+    assert remote.critic_model_name_or_path == remote.actor.model_name_or_path == "OpenRLHF/Llama-3-8b-sft-mixture"
+    assert remote.critic_origin == "--actor.model_name_or_path"
+    rms = parse_ppo(ppo_argv())
+    assert (rms.critic_model_name_or_path, rms.critic_origin) == ("OpenRLHF/Llama-3-8b-rm-700k",
+                                                                  "--reward.model_name_or_path")
+    own = parse_ppo([*argv, "--reward.remote_url", "http://h/r", "--critic.model_name_or_path", "c"])
+    assert (own.critic_model_name_or_path, own.critic_origin) == ("c", "--critic.model_name_or_path")
+    agent = parse_ppo([*argv, "--train.agent_func_path", "agent.py"])
+    assert agent.critic_model_name_or_path == agent.actor.model_name_or_path
+    grpo = parse_ppo([*argv, "--reward.remote_url", "http://h/r", "--algo.advantage.estimator", "group_norm",
+                      "--rollout.n_samples_per_prompt", "4"])
+    assert grpo.critic_model_name_or_path is None and grpo.critic_origin is None
 
 
 @pytest.mark.parametrize(("parse", "argv", "extra", "flag"), [

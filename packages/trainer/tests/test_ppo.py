@@ -89,8 +89,8 @@ def ppo_args(tiny: Path, task: dict[str, Path], ckpt: Path, endpoint: str, *extr
             "--ckpt.path", str(ckpt / "ckpt"), "--ckpt.output_dir", str(ckpt / "model"), *extra]
 
 
-def run_ppo(args: list[str], helpers, timeout: float = 600) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, "-m", "treadle.trainer.cli", *args], env=helpers.child_env(),
+def run_ppo(args: list[str], helpers, timeout: float = 600, **env: str) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, "-m", "treadle.trainer.cli", *args], env={**helpers.child_env(), **env},
                           capture_output=True, text=True, timeout=timeout, cwd=helpers.root)
     assert proc.returncode == 0, proc.stderr[-6000:]
     return proc
@@ -222,6 +222,17 @@ def test_variants_run_and_log(variant, tiny, task, daemon, helpers, tmp_path):
         assert (tmp_path / "model_critic" / "model.safetensors").is_file()  # --critic.save_value_network
     if variant.startswith("async"):
         assert all(r["staleness/max"] <= 1 for r in rows)
+
+
+@pytest.mark.slow
+def test_gae_without_a_critic_flag_starts_the_critic_from_the_actor(tiny, task, daemon, helpers, tmp_path):
+    """OpenRLHF's default (train_ppo_ray): gae, rewards from --reward.remote_url, no
+    --critic.model_name_or_path: the critic starts from the actor's weights (a fresh value head)."""
+    proc = run_ppo(ppo_args(tiny, task, tmp_path, daemon, "--data.max_samples", "8", "--train.num_episodes", "1",
+                            *VARIANTS["gae_critic_reward_model"][:12]), helpers, TREADLE_LOG_LEVEL="INFO")
+    assert f"critic starts from {tiny} (--actor.model_name_or_path): --critic.model_name_or_path unset" in proc.stderr
+    rows = metrics(tmp_path)
+    assert rows and all("critic/loss" in r and r["samples"] > 0 for r in rows)
 
 
 @pytest.mark.slow

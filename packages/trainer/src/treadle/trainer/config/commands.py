@@ -222,11 +222,27 @@ class PPOConfig:
         return self.algo.kl.init_coef > 0
 
     @property
-    def critic_model_name_or_path(self) -> str | None:
-        """The critic's starting weights in effect: its own, else the first reward model; None: no critic."""
+    def critic_origin(self) -> str | None:
+        """The flag whose model the critic starts from (gae only; None: no critic). As OpenRLHF's
+        train_ppo_ray: ``--critic.model_name_or_path`` when given, else the (first) reward model
+        when rewards come from one, else (``--reward.remote_url`` or an agent) the actor's."""
         if self.algo.advantage.estimator != "gae":
             return None
-        return self.critic.model_name_or_path or next(iter(self.reward.model_paths), None)
+        if self.critic.model_name_or_path:
+            return "--critic.model_name_or_path"
+        if self.reward.remote_url or self.train.agent_func_path or self.train.agent_cmd or not self.reward.model_paths:
+            return "--actor.model_name_or_path"
+        return "--reward.model_name_or_path"
+
+    @property
+    def critic_model_name_or_path(self) -> str | None:
+        """The critic's starting weights in effect (``critic_origin``'s model); None: no critic."""
+        origin = self.critic_origin
+        if origin == "--critic.model_name_or_path":
+            return self.critic.model_name_or_path
+        if origin == "--reward.model_name_or_path":
+            return self.reward.model_paths[0]
+        return self.actor.model_name_or_path if origin else None
 
     @property
     def critic_output_dir(self) -> str:
@@ -289,11 +305,6 @@ def _check_reward_source(cfg: PPOConfig) -> None:
 
 def _check_estimator(cfg: PPOConfig) -> None:
     est, n = cfg.algo.advantage.estimator, cfg.rollout.n_samples_per_prompt
-    if est == "gae" and cfg.critic_model_name_or_path is None:
-        raise ConfigError(
-            "--algo.advantage.estimator gae needs a critic: set --critic.model_name_or_path "
-            "(it defaults to the reward model, and none is set)"
-        )
     if est != "gae":
         critic = cfg.critic
         for flag, used in (("--critic.model_name_or_path", critic.model_name_or_path is not None),

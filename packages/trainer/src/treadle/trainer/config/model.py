@@ -222,8 +222,9 @@ class PolicyConfig(TrainedRoleConfig):
 class CriticConfig(TrainedRoleConfig):
     """PPO's value model (only with the gae advantage estimator).
 
-    model_name_or_path None starts the critic from the (first) reward model, as OpenRLHF
-    does; PPOConfig.critic_model_name_or_path gives the path in effect.
+    model_name_or_path None starts the critic, as OpenRLHF does, from the (first) reward model
+    when rewards come from one, else (--reward.remote_url, an agent) from the actor's starting
+    weights with a fresh value head; PPOConfig.critic_model_name_or_path gives the path in effect.
     """
 
     num_nodes: int | None = None

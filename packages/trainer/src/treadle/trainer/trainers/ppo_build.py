@@ -112,6 +112,9 @@ def engines(cfg: PPOConfig, dist: DistInfo, dp_world: int, total_opt_steps: int)
     actor_engine = build_engine(actor, cfg.ds, cfg.actor, **kw)
     critic_engine = None
     if cfg.critic_model_name_or_path is not None:
+        if dist.is_main:
+            log.info("critic starts from %s (%s)%s", cfg.critic_model_name_or_path, cfg.critic_origin,
+                     "" if cfg.critic.model_name_or_path else ": --critic.model_name_or_path unset (OpenRLHF's default)")
         critic = Critic.from_pretrained(cfg.critic_model_name_or_path, cfg.ds,
                                         gradient_checkpointing=cfg.actor.gradient_checkpointing_enable)
         critic_engine = build_engine(critic, cfg.ds, cfg.critic, **kw)
