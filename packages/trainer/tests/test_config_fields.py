@@ -247,8 +247,6 @@ PPO = BASE["ppo"]
 
 @pytest.mark.parametrize(("extra", "message"), [
     # were refused in trainers/ppo_build.py after the process group started, some after models loaded
-    (["--train.colocate_all", "--train.async_enable", "--vllm.num_engines", "1"],
-     r"--train\.colocate_all with --train\.async_enable"),
     (["--ds.enable_sleep", "--train.colocate_all", "--vllm.num_engines", "1"],
      r"--ds\.enable_sleep offloads ZeRO-3 states .* needs --ds\.zero_stage 3, got 2"),
     (["--train.batch_size", "12"], r"= 32 samples per rollout must be a multiple of --train\.batch_size 12"),
@@ -287,3 +285,19 @@ def test_placements_equal_to_the_actors_and_colocation_switches_parse() -> None:
     gae = parse_command("ppo", [*PPO, "--algo.advantage.estimator", "gae", "--critic.model_name_or_path", "c",
                                 "--critic.save_value_network", "--ckpt.output_dir", "out/final/"])
     assert gae.critic_output_dir == "out/final_critic"
+
+
+def test_colocate_all_with_async_runs_with_the_engines_on_gpus_of_their_own() -> None:
+    # OpenRLHF's train_ppo_ray: a warning ("only colocates DeepSpeed models"), the engines outside
+    # the shared placement group, and no engines-equal-actor-GPUs assertion; treadle did refuse
+    from treadle.trainer.trainers.ppo_build import sync_route
+
+    cfg = parse_command("ppo", [*PPO, "--train.colocate_all", "--train.async_enable", "--vllm.num_engines", "2"])
+    assert cfg.train.colocate_all and cfg.train.async_enable and not cfg.engines_colocated
+    assert sync_route(cfg, cuda=True) == ("collective", "nccl")  # engines apart: NCCL holds them
+    parse_command("ppo", [*PPO, "--train.colocate_all", "--train.async_enable", "--vllm.sync_backend", "nccl"])
+    assert parse_command("ppo", [*PPO, "--train.colocate_all", "--vllm.num_engines", "1"]).engines_colocated
+    with pytest.raises(ConfigError, match=r"--vllm\.num_engines x --vllm\.tensor_parallel_size \(2\) must equal"):
+        parse_command("ppo", [*PPO, "--train.colocate_all", "--vllm.num_engines", "2"])
+    with pytest.raises(ConfigError, match=r"--train\.async_enable generates while training: engines cannot sleep"):
+        parse_command("ppo", [*PPO, "--train.colocate_all", "--train.async_enable", "--vllm.enable_sleep"])

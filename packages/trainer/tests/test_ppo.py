@@ -236,6 +236,25 @@ def test_gae_without_a_critic_flag_starts_the_critic_from_the_actor(tiny, task, 
 
 
 @pytest.mark.slow
+def test_colocate_all_with_async_runs_async_with_its_own_engines(tiny, task, helpers, tmp_path):
+    """--train.colocate_all --train.async_enable, refused before: as OpenRLHF, a warning, then an
+    asynchronous run whose engines (a daemon the trainer starts, hf backend) are not colocated."""
+    args = ppo_args(tiny, task, tmp_path, "", "--data.max_samples", "12", "--train.num_episodes", "1",
+                    "--algo.kl.init_coef", "0", "--train.colocate_all", "--train.async_enable",
+                    "--vllm.backend", "hf")
+    del args[args.index("--vllm.endpoint"):args.index("--vllm.endpoint") + 2]
+    proc = run_ppo(args, helpers)
+    assert ("--train.colocate_all with --train.async_enable: as in OpenRLHF, only the trainer's models share GPUs"
+            in proc.stderr), proc.stderr[-3000:]
+    assert "the engines run in processes of their own and generate while the trainer trains; weights over gloo" \
+        in proc.stderr
+    rows = metrics(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(r["staleness/max"] <= 1 for r in rows)
+    assert any(r["staleness/max"] == 1 for r in rows)  # generation ran ahead of training: asynchronous
+
+
+@pytest.mark.slow
 def test_two_ranks_zero3_data_parallel_and_ring(tiny, task, daemon, helpers, tmp_path):
     """2 data-parallel ranks, then 1 x a ring of 2: the same first step (same seeded samples, the
     same normalised loss), ZeRO-3 both."""

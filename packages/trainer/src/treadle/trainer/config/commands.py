@@ -245,6 +245,14 @@ class PPOConfig:
         return self.actor.model_name_or_path if origin else None
 
     @property
+    def engines_colocated(self) -> bool:
+        """Whether the rollout engines share the trainer's GPUs: ``--train.colocate_all``, unless
+        ``--train.async_enable``, where (as in OpenRLHF) colocate_all only colocates the trainer's
+        models (which treadle always does) and the engines get GPUs of their own, to generate
+        while the trainer trains."""
+        return self.train.colocate_all and not self.train.async_enable
+
+    @property
     def critic_output_dir(self) -> str:
         """Where ``--critic.save_value_network`` exports the critic: ``<--ckpt.output_dir>_critic``
         (OpenRLHF's ``save_path + "_critic"``)."""
@@ -389,10 +397,11 @@ def _check_placements(cfg: PPOConfig) -> None:
 
 def _check_colocation(cfg: PPOConfig) -> None:
     """The switches' own conditions. ``--train.colocate_actor_ref`` and ``--train.colocate_critic_reward``
-    name what every run does (``_check_placements``); ``--train.colocate_all`` also puts the engines there."""
+    name what every run does (``_check_placements``); ``--train.colocate_all`` also puts the engines there,
+    unless ``--train.async_enable`` (``PPOConfig.engines_colocated``)."""
     train, vllm, actor = cfg.train, cfg.vllm, cfg.actor
     reward_model = bool(cfg.reward.model_name_or_path)
-    if train.colocate_all:
+    if cfg.engines_colocated:
         engine_gpus = vllm.num_engines * vllm.tensor_parallel_size
         if engine_gpus != actor.num_nodes * actor.num_gpus_per_node:
             raise ConfigError(
@@ -412,18 +421,17 @@ def _check_colocation(cfg: PPOConfig) -> None:
 
 
 def _check_async(cfg: PPOConfig) -> None:
+    """``--train.colocate_all`` is taken with async (``engines_colocated``: the engines then get
+    GPUs of their own, as OpenRLHF's "only colocates DeepSpeed models"); sleeping engines are not."""
     if cfg.train.async_enable and cfg.vllm.enable_sleep:
         raise ConfigError("--train.async_enable generates while training: engines cannot sleep (--vllm.enable_sleep)")
-    if cfg.train.async_enable and cfg.train.colocate_all:
-        raise ConfigError("--train.colocate_all with --train.async_enable: colocated engines cannot generate "
-                          "while the trainer trains; pick one")
 
 
 def _check_weight_sync(cfg: PPOConfig) -> None:
     """What ``--vllm.sync_backend`` cannot do whatever the machine (what needs CUDA is checked at
     start-up, ``trainers.ppo_build.sync_route``): refused, never replaced by another backend."""
     v = cfg.vllm
-    if v.sync_backend == "nccl" and cfg.train.colocate_all:
+    if v.sync_backend == "nccl" and cfg.engines_colocated:
         raise ConfigError("--vllm.sync_backend nccl with --train.colocate_all: the engines share the trainer's GPUs and "
                           "NCCL cannot hold two processes of one GPU in a group; use --vllm.sync_backend gloo, or "
                           "cuda_ipc for one engine on rank 0's GPU, or leave it unset (colocated: gloo)")

@@ -94,8 +94,10 @@ class VLLMConfig:
     """How new weights reach the engines: a broadcast over NCCL (CUDA only; not with
     --train.colocate_all, since NCCL cannot hold two processes of one GPU in a group) or gloo, or
     cuda_ipc: engines on rank 0's GPU copy them out of its packed buckets (CUDA). None picks per
-    placement: nccl on CUDA, gloo on CPU and with --train.colocate_all. A backend that cannot
-    work where the run is placed is refused, never replaced."""
+    placement: nccl on CUDA, gloo on CPU; with --train.colocate_all cuda_ipc where the trainer's own
+    daemon has one engine GPU, else gloo (with --train.async_enable the engines have GPUs of their
+    own: nccl). A backend that cannot work where the run is
+    placed is refused, never replaced."""
     sync_with_ray: bool = False
     """Send weights through Ray's object store (OpenRLHF's --vllm_sync_with_ray): not implemented,
     refused; weights go over --sync_backend."""

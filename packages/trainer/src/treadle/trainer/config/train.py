@@ -51,7 +51,9 @@ class RLTrainConfig(TrainConfig):
     num_episodes: int = 1
     """Passes over the prompt dataset."""
     colocate_all: bool = False
-    """Actor, critic, reference, reward and the vLLM engines share the same GPUs (hybrid engine)."""
+    """Actor, critic, reference, reward and the vLLM engines share the same GPUs (hybrid engine).
+    With async_enable only the trainer's models do (as always): the engines get GPUs of their own
+    and generate while the trainer trains (OpenRLHF's behaviour; a warning says so)."""
     colocate_actor_ref: bool = False
     """Actor and reference share GPUs."""
     colocate_critic_reward: bool = False

@@ -167,6 +167,22 @@ def executor(cfg: PPOConfig, *, sampler: Any, chat: Any, sampling: SamplingParam
     return SingleTurnExecutor(reward=reward, sampler=sampler, chat=chat, sampling=sampling, config=config)
 
 
+def log_placement(cfg: PPOConfig, gpu_ids: tuple[int, ...]) -> None:
+    """Rank 0, at start: the warning OpenRLHF gives for --train.colocate_all with --train.async_enable,
+    saying what runs instead (``gpu_ids``: those of the daemon started here, () on CPU)."""
+    if not cfg.train.colocate_all or cfg.engines_colocated:
+        return
+    if cfg.vllm.endpoint:
+        where = f"the daemon at --vllm.endpoint {cfg.vllm.endpoint} places its engines itself"
+    else:
+        where = f"the engines run on GPU(s) {list(gpu_ids)}" if gpu_ids else "the engines run in processes of their own"
+    transport, backend = sync_route(cfg, cuda=torch.cuda.is_available())
+    log.warning("--train.colocate_all with --train.async_enable: as in OpenRLHF, only the trainer's models share GPUs "
+                "(actor, critic, reference, reward model, as in every treadle run), not the rollout engines; %s and "
+                "generate while the trainer trains; weights over %s", where,
+                transport if transport == "cuda_ipc" else backend)
+
+
 def rollout_side(parts: PPOParts) -> None:
     """Rank 0: the daemon (started here unless --vllm.endpoint), clients, executors."""
     from treadle.agents.chat import ChatFormat  # noqa: PLC0415
@@ -185,9 +201,12 @@ def rollout_side(parts: PPOParts) -> None:
                 engine_gpus=v.num_engines * v.tensor_parallel_size, colocate=cfg.train.colocate_all,
                 trainer_gpus=int(os.environ.get("LOCAL_WORLD_SIZE", parts.dist.world)),
                 visible=torch.cuda.device_count(), mask=os.environ.get("CUDA_VISIBLE_DEVICES")))
+        log_placement(cfg, spec.gpu_ids)
         parts.daemon = OwnedDaemon(spec)
         parts.closers.append(parts.daemon.stop)
         endpoint = parts.daemon.endpoint
+    else:
+        log_placement(cfg, ())
     curve = None
     if cfg.vllm.endpoint is not None and cfg.vllm.curve_dir:
         from treadle.common.rpc import load_client_keys  # noqa: PLC0415
@@ -249,8 +268,9 @@ def sender(parts: PPOParts) -> Any:
 
 def sync_route(cfg: PPOConfig, *, cuda: bool) -> tuple[str, str]:
     """``(transport, backend)`` of the weight sync (pure). ``--vllm.sync_backend`` unset picks per
-    placement: nccl on CUDA; gloo on CPU, and with ``--train.colocate_all`` (the engines share the
-    trainer's GPUs, rank 0's among them, and NCCL refuses a group holding two processes of one GPU).
+    placement: nccl on CUDA; gloo on CPU, and where the engines share the trainer's GPUs, rank 0's
+    among them (``engines_colocated``: ``--train.colocate_all`` without ``--train.async_enable``),
+    as NCCL refuses a group holding two processes of one GPU.
     A backend given is used as given, or refused (ConfigError) where it cannot work: what only the
     config decides is refused at parse time (``config.commands``), what needs CUDA here. cuda_ipc:
     engines on rank 0's GPU copy out of its packed buckets."""
@@ -262,7 +282,7 @@ def sync_route(cfg: PPOConfig, *, cuda: bool) -> tuple[str, str]:
     if backend == "nccl" and not cuda:
         raise ConfigError("--vllm.sync_backend nccl needs CUDA: on CPU use gloo, or leave it unset")
     if backend is None:
-        backend = "nccl" if cuda and not cfg.train.colocate_all else "gloo"
+        backend = "nccl" if cuda and not cfg.engines_colocated else "gloo"
     return "collective", backend
 
 
