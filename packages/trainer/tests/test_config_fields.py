@@ -250,9 +250,12 @@ PPO = BASE["ppo"]
     (["--ds.enable_sleep", "--train.colocate_all", "--vllm.num_engines", "1"],
      r"--ds\.enable_sleep offloads ZeRO-3 states .* needs --ds\.zero_stage 3, got 2"),
     (["--train.batch_size", "12"], r"= 32 samples per rollout must be a multiple of --train\.batch_size 12"),
-    (["--reward.remote_url", "a.py,b.py"], r"--reward\.remote_url lists 2 sources; give one"),
+    (["--reward.remote_url", "a.py,http://h/get_reward", "--reward.remote_reduce", "spread"],
+     r"--reward\.remote_reduce spread deals samples across replicas .* 'a\.py' is a function file"),
+    (["--reward.remote_reduce", "mean"], r"--reward\.remote_reduce mean combines several --reward\.remote_url "
+                                         r"sources; 1 given"),
     (["--reward.remote_url", "None", "--reward.model_name_or_path", "rm1,rm2"],
-     r"--reward\.model_name_or_path lists 2 models; this trainer scores with one"),
+     r"--reward\.model_name_or_path lists 2 models; this trainer scores with one .* list them in --reward\.remote_url"),
     (["--vllm.sync_backend", "cuda_ipc", "--vllm.num_engines", "2"], r"cuda_ipc .* puts its 2 engine GPUs"),
     # nccl cannot hold the trainer's rank 0 and an engine of its GPU: refused, no longer turned into gloo
     (["--vllm.sync_backend", "nccl", "--train.colocate_all", "--vllm.num_engines", "1"],
@@ -301,3 +304,14 @@ def test_colocate_all_with_async_runs_with_the_engines_on_gpus_of_their_own() ->
         parse_command("ppo", [*PPO, "--train.colocate_all", "--vllm.num_engines", "2"])
     with pytest.raises(ConfigError, match=r"--train\.async_enable generates while training: engines cannot sleep"):
         parse_command("ppo", [*PPO, "--train.colocate_all", "--train.async_enable", "--vllm.enable_sleep"])
+
+
+def test_reward_source_lists_parse_with_their_reduction() -> None:
+    cfg = parse_command("ppo", [*PPO, "--reward.remote_url", "a.py, http://h:1/get_reward,tcp://127.0.0.1:5555"])
+    assert cfg.reward.remote_urls == ("a.py", "http://h:1/get_reward", "tcp://127.0.0.1:5555")
+    assert cfg.reward.remote_reduce == "sum"  # OpenRLHF's reward_fn
+    mean = parse_command("ppo", [*PPO, "--reward.remote_url", "a.py,b.py", "--reward.remote_reduce", "mean"])
+    assert mean.reward.remote_reduce == "mean"
+    spread = parse_command("ppo", [*PPO, "--reward.remote_url", "http://a/get_reward,http://b/get_reward",
+                                   "--reward.remote_reduce", "spread"])
+    assert spread.reward.remote_reduce == "spread"

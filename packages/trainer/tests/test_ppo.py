@@ -224,6 +224,12 @@ def test_variants_run_and_log(variant, tiny, task, daemon, helpers, tmp_path):
         assert all(r["staleness/max"] <= 1 for r in rows)
 
 
+CONSTANT = '''
+def reward_func(queries, prompts, labels):
+    return {"rewards": [0.5] * len(queries), "extra_logs": {"constant": [1.0] * len(queries)}}
+'''
+
+
 @pytest.mark.slow
 def test_gae_without_a_critic_flag_starts_the_critic_from_the_actor(tiny, task, daemon, helpers, tmp_path):
     """OpenRLHF's default (train_ppo_ray): gae, rewards from --reward.remote_url, no
@@ -252,6 +258,26 @@ def test_colocate_all_with_async_runs_async_with_its_own_engines(tiny, task, hel
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert all(r["staleness/max"] <= 1 for r in rows)
     assert any(r["staleness/max"] == 1 for r in rows)  # generation ran ahead of training: asynchronous
+
+
+@pytest.mark.slow
+def test_two_reward_files_are_summed_and_logged_per_source(tiny, task, daemon, helpers, tmp_path):
+    """--reward.remote_url digits.py,constant.py: every sample scored by both, the reward their sum
+    (OpenRLHF's reward_fn), each source's mean in the metrics; --reward.remote_reduce mean halves it."""
+    constant = tmp_path / "constant.py"
+    constant.write_text(CONSTANT)
+    for reduce, div in (("sum", 1.0), ("mean", 2.0)):
+        out = tmp_path / reduce
+        run_ppo(ppo_args(tiny, task, out, daemon, "--data.max_samples", "8", "--train.num_episodes", "1",
+                         "--reward.remote_url", f"{task['reward']},{constant}", "--reward.remote_reduce", reduce),
+                helpers)
+        rows = metrics(out)
+        assert rows
+        for r in rows:
+            assert r["reward/source1"] == 0.5 and r["constant"] == 1.0  # the constant file's, as it named it
+            assert 0.0 <= r["reward/source0"] <= 1.0 and "digits" in r  # the digit share
+            assert r["reward/mean"] == pytest.approx((r["reward/source0"] + 0.5) / div)
+            assert r["score/mean"] == pytest.approx((r["score/source0"] + 0.5) / div)
 
 
 @pytest.mark.slow

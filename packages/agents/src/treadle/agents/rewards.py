@@ -12,6 +12,10 @@ the same three)::
                                                     {"query", "prompts", "labels"} -> {"rewards",
                                                     "scores", "extra_logs"}
 
+Several sources (``reward_sources(refs, reduce=...)``, ``--reward.remote_url a,b``) make one
+``CombinedReward``: ``sum`` / ``mean`` score every sample with every source and combine them,
+``spread`` treats them as replicas and deals the samples out in turn (``CombinedReward``).
+
 Every source scores one sample per call (the daemon batches concurrent calls itself) and answers
 a ``Score``; a failure raises ``RewardFailed`` (the executor records a failed episode). The two
 remote sources retry what may pass (the daemon killed and restarted, a timeout, ``Busy``, an HTTP
@@ -23,13 +27,15 @@ answered from its cache instead of scored twice.
 from __future__ import annotations
 
 import asyncio
+import collections
 import inspect
+import itertools
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import numpy as np
 
@@ -194,6 +200,71 @@ class HttpReward:
         if self._session is not None:
             await self._session.close()
             self._session = None
+
+
+Reduce = Literal["sum", "mean", "spread"]
+"""How ``CombinedReward`` makes one reward of several sources."""
+
+
+def combine(scores: Sequence[Score], reduce: Literal["sum", "mean"]) -> Score:
+    """One ``Score`` of every source's (``n`` >= 1) for one sample: reward and score are
+    ``sum_i x_i`` (sum) or ``sum_i x_i / n`` (mean) over the sources (OpenRLHF's ``reward_fn``
+    was ``torch.stack(rewards).sum(0)``). ``extra_logs``: source ``i``'s own reward and score as
+    ``reward/source<i>`` and ``score/source<i>``; the names the sources logged, as given, except
+    a name several sources logged, which goes under ``<name>/source<i>`` for each."""
+    n = len(scores)
+    div = 1.0 if reduce == "sum" else float(n)
+    logs: dict[str, float] = {}
+    given = collections.Counter(k for s in scores for k in s.extra_logs)
+    for i, s in enumerate(scores):
+        logs[f"reward/source{i}"], logs[f"score/source{i}"] = s.reward, s.score
+        logs.update({(k if given[k] == 1 else f"{k}/source{i}"): v for k, v in s.extra_logs.items()})
+    return Score(reward=sum(s.reward for s in scores) / div, score=sum(s.score for s in scores) / div,
+                 extra_logs=logs)
+
+
+class CombinedReward:
+    """Several reward sources as one (``--reward.remote_url a,b,...``).
+
+    ``sum`` / ``mean``: every source scores every sample, concurrently, and ``combine`` makes one
+    score of theirs; one source failing fails the sample, naming it. ``spread``: the sources are
+    replicas of one remote reward (OpenRLHF's URL list since 0.6.3); sample ``k`` goes to source
+    ``k mod n``, so each source scores an ``n``-th of the samples, and nothing is combined.
+    """
+
+    def __init__(self, sources: Sequence[RewardSource], *, reduce: Reduce = "sum") -> None:
+        if len(sources) < 2:
+            raise ValueError(f"CombinedReward takes two or more sources, got {len(sources)}")
+        self.sources = list(sources)
+        self.reduce = reduce
+        self._turn = itertools.count()
+
+    async def score(self, query: str, prompt: str, label: Any) -> Score:
+        if self.reduce == "spread":
+            return await self.sources[next(self._turn) % len(self.sources)].score(query, prompt, label)
+        scores = await asyncio.gather(*(s.score(query, prompt, label) for s in self.sources), return_exceptions=True)
+        for i, out in enumerate(scores):
+            if isinstance(out, BaseException):
+                if isinstance(out, RewardFailed):
+                    raise RewardFailed(f"reward source {i}: {out}") from out
+                raise out
+        return combine(scores, self.reduce)  # type: ignore[arg-type]  # no exceptions left
+
+    async def close(self) -> None:
+        closed = await asyncio.gather(*(s.close() for s in self.sources), return_exceptions=True)
+        for out in closed:  # every source closed before the first failure is raised
+            if isinstance(out, BaseException):
+                raise out
+
+
+def reward_sources(refs: Sequence[str], *, reduce: Reduce = "sum", timeout_s: float = TIMEOUT_S,
+                   retry_s: float = RETRY_S, curve_dir: str = "", token: str | None = None) -> RewardSource:
+    """One ``reward_source`` per reference, a ``CombinedReward`` of them by ``reduce`` when there
+    are several (``curve_dir`` and ``token`` serve every daemon / URL)."""
+    if not refs:
+        raise ValueError("no reward source given")
+    made = [reward_source(r, timeout_s=timeout_s, retry_s=retry_s, curve_dir=curve_dir, token=token) for r in refs]
+    return made[0] if len(made) == 1 else CombinedReward(made, reduce=reduce)
 
 
 def reward_source(ref: str, *, timeout_s: float = TIMEOUT_S, retry_s: float = RETRY_S, curve_dir: str = "",

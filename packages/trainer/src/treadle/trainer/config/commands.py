@@ -300,15 +300,29 @@ def _check_reward_source(cfg: PPOConfig) -> None:
                           "or --train.agent_cmd")
     if len(reward.model_paths) > 1:
         raise ConfigError(f"--reward.model_name_or_path lists {len(reward.model_paths)} models; this trainer scores "
-                          "with one reward model (several, with a reduction, are not implemented yet)")
-    if len(reward.remote_urls) > 1:
-        raise ConfigError(f"--reward.remote_url lists {len(reward.remote_urls)} sources; give one (combine several "
-                          "rewards in one function file or reward server)")
+                          "with one reward model (several are not implemented; OpenRLHF since 0.6.3 takes one too). "
+                          "To combine several, serve each (treadle-rewards serve) and list them in "
+                          "--reward.remote_url with --reward.remote_reduce sum or mean")
+    _check_remote_reduce(reward.remote_urls, reward.remote_reduce)
     rule_reward = bool(reward.remote_url or agent)
     if cfg.algo.dynamic_filtering_enable and not rule_reward:
         raise ConfigError("--algo.dynamic_filtering_enable filters on scores: needs --reward.remote_url or --train.agent_func_path")
     if cfg.eval.dataset and not rule_reward:
         raise ConfigError("--eval.dataset scores with the reward function: needs --reward.remote_url or --train.agent_func_path")
+
+
+def _check_remote_reduce(urls: tuple[str, ...], reduce: str) -> None:
+    """``--reward.remote_reduce`` combines several ``--reward.remote_url`` sources; ``spread``
+    deals samples across replicas of one remote reward, which function files (run in this
+    process) cannot be."""
+    if len(urls) < 2 and reduce != "sum":
+        raise ConfigError(f"--reward.remote_reduce {reduce} combines several --reward.remote_url sources; "
+                          f"{len(urls)} given")
+    files = [u for u in urls if not u.startswith(("http://", "https://", "tcp://", "ipc://"))]
+    if reduce == "spread" and len(urls) > 1 and files:
+        raise ConfigError(f"--reward.remote_reduce spread deals samples across replicas of one remote reward "
+                          f"(http(s)://, tcp://, ipc://); {files[0]!r} is a function file run in this process: "
+                          "use sum or mean to combine it with the others")
 
 
 def _check_estimator(cfg: PPOConfig) -> None:

@@ -274,7 +274,14 @@ class RewardConfig:
     model_name_or_path: str | None = None
     """Reward model(s), comma-separated; the first also initialises the critic."""
     remote_url: str | None = None
-    """HTTP reward endpoint(s), comma-separated, or a .py file defining reward_func."""
+    """Reward source(s), comma-separated: a .py file defining reward_func (or math / format / code),
+    an HTTP endpoint (OpenRLHF's /get_reward), or a treadle-rewards daemon (tcp:// or ipc://)."""
+    remote_reduce: Literal["sum", "mean", "spread"] = "sum"
+    """How several --remote_url sources make one reward. sum / mean: every source scores every
+    sample, reward and score are their sum / mean (sum: OpenRLHF's reward_fn, which combined its
+    reward sources up to 0.6.2), each source's own in the metrics as reward/source<i> and
+    score/source<i>; spread: the sources are replicas of one remote reward, each sample is scored
+    by one of them in turn (OpenRLHF's meaning of a URL list since 0.6.3)."""
     timeout_s: float = 60.0
     """Limit of one call to a remote reward (reward daemon or URL)."""
     retry_s: float = 600.0

@@ -159,12 +159,30 @@ def executor(cfg: PPOConfig, *, sampler: Any, chat: Any, sampling: SamplingParam
 
         return AgentFileExecutor(cfg.train.agent_func_path, sampler=sampler, chat=chat, sampling=sampling, config=config)
     reward = None
-    if cfg.reward.remote_urls:  # one (the config refuses a list)
-        from treadle.agents.rewards import reward_source  # noqa: PLC0415
+    if cfg.reward.remote_urls:
+        from treadle.agents.rewards import reward_sources  # noqa: PLC0415
 
-        reward = reward_source(cfg.reward.remote_urls[0], timeout_s=cfg.reward.timeout_s,
-                               retry_s=cfg.reward.retry_s, curve_dir=cfg.reward.curve_dir, token=cfg.reward.bearer)
+        r = cfg.reward
+        reward = reward_sources(r.remote_urls, reduce=r.remote_reduce, timeout_s=r.timeout_s, retry_s=r.retry_s,
+                                curve_dir=r.curve_dir, token=r.bearer)
     return SingleTurnExecutor(reward=reward, sampler=sampler, chat=chat, sampling=sampling, config=config)
+
+
+def log_reward_sources(cfg: PPOConfig) -> None:
+    """Rank 0, at start: which source is ``reward/source<i>`` in the metrics, and how they combine;
+    a warning where a list that OpenRLHF (since 0.6.3) reads as replicas is summed here."""
+    urls, reduce = cfg.reward.remote_urls, cfg.reward.remote_reduce
+    if len(urls) < 2:
+        return
+    log.info("reward: %d sources, %s", len(urls), {"sum": "summed", "mean": "averaged", "spread": "as replicas, "
+             "each sample scored by one in turn"}[reduce],
+             extra={"fields": {f"source{i}": u for i, u in enumerate(urls)}})
+    remote = all(u.startswith(("http://", "https://", "tcp://", "ipc://")) for u in urls)
+    if reduce != "spread" and remote:
+        log.warning("--reward.remote_url lists %d remote rewards and --reward.remote_reduce is %s: every one scores "
+                    "every sample and the rewards are %s (OpenRLHF's reward_fn, up to 0.6.2); if they are replicas "
+                    "of one reward server (what OpenRLHF 0.6.3 and later read a URL list as), pass "
+                    "--reward.remote_reduce spread", len(urls), reduce, "summed" if reduce == "sum" else "averaged")
 
 
 def log_placement(cfg: PPOConfig, gpu_ids: tuple[int, ...]) -> None:
@@ -192,6 +210,7 @@ def rollout_side(parts: PPOParts) -> None:
     from treadle.trainer.rl.generation import SeededSampler  # noqa: PLC0415
 
     cfg = parts.cfg
+    log_reward_sources(cfg)
     endpoint = cfg.vllm.endpoint
     if endpoint is None:
         spec = daemon_spec(cfg)
