@@ -665,6 +665,11 @@ def test_the_weight_sync_goes_where_it_can_work():
     assert sync_route(with_backend("cuda_ipc", *one_hf), cuda=True) == ("cuda_ipc", "nccl")
     one_vllm = [*one_hf[2:]]  # the vllm backend takes cuda_ipc too
     assert sync_route(with_backend("cuda_ipc", *one_vllm), cuda=True) == ("cuda_ipc", "nccl")
+    # unset, colocated, one engine GPU of the trainer's own daemon: CUDA IPC (gloo on CPU)
+    assert sync_route(with_backend(None, *one_vllm), cuda=True) == ("cuda_ipc", "nccl")
+    assert sync_route(with_backend(None, *one_vllm), cuda=False) == ("collective", "gloo")
+    assert sync_route(with_backend(None, *one_vllm, "--vllm.endpoint", "tcp://127.0.0.1:5570"),
+                      cuda=True) == ("collective", "gloo")
     with pytest.raises(ConfigError, match="puts its 8 engine GPUs on GPUs of their own"):  # at parse time
         with_backend("cuda_ipc", "--vllm.backend", "hf")
     # a running daemon (--vllm.endpoint): its engines say for themselves whether they can open the handles

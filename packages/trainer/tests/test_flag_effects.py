@@ -194,3 +194,28 @@ def test_an_offloaded_reward_model_lives_in_cpu_memory_between_uses():
         assert m.weight.is_cuda
         score = m(torch.ones(1, 4, device="cuda"))
     assert not m.weight.is_cuda and score.is_cuda
+
+
+def test_a_reward_file_importing_what_treadle_lacks_is_refused_before_anything_loads(tmp_path, monkeypatch):
+    """``build_parts`` refuses the file before the tokenizer or any model loads."""
+    from treadle.common.config import ConfigError
+    from treadle.trainer.trainers import build, ppo_build
+
+    bad = tmp_path / "reward.py"
+    bad.write_text("from openrlhf.utils import no_such_helper\n\n\ndef reward_func(queries, prompts, labels):\n"
+                   "    return {'rewards': [0.0] * len(queries)}\n")
+    args = [*PPO]
+    args[args.index("r.py")] = str(bad)
+    cfg = parse_ppo(args)
+    monkeypatch.setattr(build, "start", lambda *a, **k: SimpleNamespace(is_main=True, world=1))
+    monkeypatch.setattr(ppo_build, "load_tokenizer", lambda *a, **k: pytest.fail("loaded past the reward check"))
+    with pytest.raises(ConfigError, match=r"--reward.remote_url .*no_such_helper"):
+        ppo_build.build_parts(cfg)
+    good = tmp_path / "good.py"
+    good.write_text("from openrlhf.utils import extract_boxed_answer\n\n\ndef reward_func(queries, prompts, labels):\n"
+                    "    return {'rewards': [0.0] * len(queries)}\n")
+    args[args.index(str(bad))] = str(good)
+    ppo_build.check_reward_file(parse_ppo(args))  # what treadle serves passes
+    args[args.index(str(good))] = str(tmp_path / "missing.py")
+    with pytest.raises(ConfigError, match="does not exist"):
+        ppo_build.check_reward_file(parse_ppo(args))

@@ -201,6 +201,31 @@ def log_placement(cfg: PPOConfig, gpu_ids: tuple[int, ...]) -> None:
                 transport if transport == "cuda_ipc" else backend)
 
 
+def own_engine_gpus(cfg: PPOConfig, world: int) -> tuple[int, ...]:
+    """The GPUs of the daemon the trainer starts itself (none on CPU or with --vllm.endpoint);
+    ConfigError when this host cannot give them (checked before anything loads)."""
+    if cfg.vllm.endpoint is not None or not torch.cuda.is_available():
+        return ()
+    v = cfg.vllm
+    return engine_gpus(engine_gpus=v.num_engines * v.tensor_parallel_size, colocate=cfg.engines_colocated,
+                       trainer_gpus=int(os.environ.get("LOCAL_WORLD_SIZE", world)),
+                       visible=torch.cuda.device_count(), mask=os.environ.get("CUDA_VISIBLE_DEVICES"))
+
+
+def check_reward_file(cfg: PPOConfig) -> None:
+    """Each reward function file (``--reward.remote_url f.py``) exists and imports nothing treadle
+    lacks (``openrlhf.*``): refused before any model loads, not when the executor starts."""
+    from treadle.rewards.loader import parse_ref  # noqa: PLC0415
+
+    for url in cfg.reward.remote_urls:
+        if url.startswith(("http://", "https://", "tcp://", "ipc://")):
+            continue
+        try:
+            parse_ref(url)
+        except (ValueError, ImportError) as e:
+            raise ConfigError(f"--reward.remote_url {url!r}: {e}") from None
+
+
 def rollout_side(parts: PPOParts) -> None:
     """Rank 0: the daemon (started here unless --vllm.endpoint), clients, executors."""
     from treadle.agents.chat import ChatFormat  # noqa: PLC0415
@@ -213,13 +238,7 @@ def rollout_side(parts: PPOParts) -> None:
     log_reward_sources(cfg)
     endpoint = cfg.vllm.endpoint
     if endpoint is None:
-        spec = daemon_spec(cfg)
-        if torch.cuda.is_available():
-            v = cfg.vllm
-            spec = dataclasses.replace(spec, gpu_ids=engine_gpus(
-                engine_gpus=v.num_engines * v.tensor_parallel_size, colocate=cfg.train.colocate_all,
-                trainer_gpus=int(os.environ.get("LOCAL_WORLD_SIZE", parts.dist.world)),
-                visible=torch.cuda.device_count(), mask=os.environ.get("CUDA_VISIBLE_DEVICES")))
+        spec = dataclasses.replace(daemon_spec(cfg), gpu_ids=own_engine_gpus(cfg, parts.dist.world))
         log_placement(cfg, spec.gpu_ids)
         parts.daemon = OwnedDaemon(spec)
         parts.closers.append(parts.daemon.stop)
@@ -287,8 +306,9 @@ def sender(parts: PPOParts) -> Any:
 
 def sync_route(cfg: PPOConfig, *, cuda: bool) -> tuple[str, str]:
     """``(transport, backend)`` of the weight sync (pure). ``--vllm.sync_backend`` unset picks per
-    placement: nccl on CUDA; gloo on CPU, and where the engines share the trainer's GPUs, rank 0's
-    among them (``engines_colocated``: ``--train.colocate_all`` without ``--train.async_enable``),
+    placement: nccl on CUDA; gloo on CPU; where the engines share the trainer's GPUs
+    (``engines_colocated``: ``--train.colocate_all`` without ``--train.async_enable``) cuda_ipc when
+    the trainer's own daemon has one engine GPU (rank 0's: OpenRLHF's choice there too), else gloo,
     as NCCL refuses a group holding two processes of one GPU.
     A backend given is used as given, or refused (ConfigError) where it cannot work: what only the
     config decides is refused at parse time (``config.commands``), what needs CUDA here. cuda_ipc:
@@ -301,6 +321,9 @@ def sync_route(cfg: PPOConfig, *, cuda: bool) -> tuple[str, str]:
     if backend == "nccl" and not cuda:
         raise ConfigError("--vllm.sync_backend nccl needs CUDA: on CPU use gloo, or leave it unset")
     if backend is None:
+        one_gpu = cfg.vllm.endpoint is None and cfg.vllm.num_engines * cfg.vllm.tensor_parallel_size == 1
+        if cuda and cfg.engines_colocated and one_gpu:
+            return "cuda_ipc", "nccl"
         backend = "nccl" if cuda and not cfg.engines_colocated else "gloo"
     return "collective", backend
 
@@ -317,6 +340,9 @@ def build_parts(cfg: PPOConfig) -> PPOParts:
                           "which takes DeepSpeed's FusedAdam only; --ds.adam_offload runs DeepSpeed's CPU Adam: "
                           "pick one")
     dist = build.start(cfg, ring_supported=True, sleep_supported=True)
+    check_reward_file(cfg)
+    if dist.is_main:
+        own_engine_gpus(cfg, dist.world)
     ring = build.ring_group(cfg, dist)
     dp = data_parallel(dist, ring)
     tok = load_tokenizer(cfg.actor.model_name_or_path, use_fast=not cfg.data.disable_fast_tokenizer,
