@@ -219,3 +219,22 @@ def test_a_reward_file_importing_what_treadle_lacks_is_refused_before_anything_l
     args[args.index(str(good))] = str(tmp_path / "missing.py")
     with pytest.raises(ConfigError, match="does not exist"):
         ppo_build.check_reward_file(parse_ppo(args))
+
+
+def test_packages_a_run_needs_are_checked_at_start(monkeypatch, tmp_path):
+    """A wheel install without matplotlib (or tensorboard, with its flag) is refused at start with
+    the pip line, not after training when the curves are drawn."""
+    from treadle.common.config import ConfigError
+    from treadle.trainer.trainers import build
+
+    cfg = parse_ppo([*PPO, "--logger.tensorboard_dir", str(tmp_path / "tb")])
+    installed = {"matplotlib", "tensorboard"}
+    assert build.missing_packages(cfg, find=lambda m: m if m in installed else None) == []
+    missing = build.missing_packages(cfg, find=lambda m: None)
+    assert missing == ["the curves every run draws (curves.png) needs matplotlib: pip install 'treadle-trainer[train]'",
+                       "--logger.tensorboard_dir needs tensorboard: pip install 'treadle-trainer[tensorboard]'"]
+    assert build.missing_packages(parse_ppo(PPO), find=lambda m: None) == missing[:1]  # tensorboard only when asked
+    monkeypatch.setattr(build, "missing_packages", lambda c: missing)
+    monkeypatch.setattr(build, "init_distributed", lambda **k: pytest.fail("joined the process group"))
+    with pytest.raises(ConfigError, match=r"needs matplotlib: pip install 'treadle-trainer\[train\]'; --logger"):
+        build.start(cfg)

@@ -8,6 +8,7 @@ the others read its cache file (``datasets``).
 from __future__ import annotations
 
 import datetime
+import importlib.util
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -64,6 +65,19 @@ def _refuse_unavailable(cfg: Any, *, ring_supported: bool, sleep_supported: bool
         raise ConfigError(f"{', '.join(used)}: not available in this trainer yet")
 
 
+def missing_packages(cfg: Any, find: Callable[[str], Any] = importlib.util.find_spec) -> list[str]:
+    """What this run will import and is not installed, as ``"what needs it: pip install ..."`` lines
+    (pure but for ``find``): matplotlib for the curves every run draws at its end, tensorboard and
+    wandb when their flags ask for them. Checked at start, so a run from wheels does not train for
+    hours and then fail."""
+    needs = [("matplotlib", "the curves every run draws (curves.png)", "treadle-trainer[train]")]
+    if cfg.logger.tensorboard_dir:
+        needs.append(("tensorboard", "--logger.tensorboard_dir", "treadle-trainer[tensorboard]"))
+    if cfg.logger.wandb.key:
+        needs.append(("wandb", "--logger.wandb.key", "treadle-trainer[wandb]"))
+    return [f"{why} needs {module}: pip install '{extra}'" for module, why, extra in needs if find(module) is None]
+
+
 def start(cfg: Any, *, ring_supported: bool = False, sleep_supported: bool = False,
           tp_supported: bool = False) -> DistInfo:
     """Join the process group and seed torch (identically on every rank: heads start equal).
@@ -74,6 +88,8 @@ def start(cfg: Any, *, ring_supported: bool = False, sleep_supported: bool = Fal
     """
     _refuse_unavailable(cfg, ring_supported=ring_supported, sleep_supported=sleep_supported,
                         tp_supported=tp_supported)
+    if missing := missing_packages(cfg):
+        raise ConfigError("; ".join(missing))
     dist = init_distributed(launched_by_deepspeed=cfg.local_rank >= 0)
     if cfg.data.dataloader_num_workers and dist.is_main:
         log.warning("--data.dataloader_num_workers has no effect: samples are tokenised in memory before training")
