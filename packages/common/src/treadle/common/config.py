@@ -332,22 +332,32 @@ def _read(path: Path) -> str:
 # Command line
 
 
+def find_flag(args: Sequence[str], names: Mapping[str, object]) -> tuple[str, str] | None:
+    """The first flag of ``args`` (before ``--``) that ``names`` holds, as ``(typed, key)``: the
+    spelling typed and its underscore form (tyro accepts ``-`` and ``_``); None when there is none."""
+    for arg in args:
+        if arg == "--":
+            break
+        name = arg.split("=", 1)[0]
+        key = "--" + name[2:].replace("-", "_") if name.startswith("--") else name
+        if key in names:
+            return name, key
+    return None
+
+
 def check_renamed(args: Sequence[str], renamed: Mapping[str, str]) -> None:
     """Raise ``ConfigError`` if ``args`` use a retired flag; the message names its replacement.
 
     A value that is no flag (does not start with ``--``) is the reason a flag is refused outright
     (a feature not supported, with nothing to use instead): the message is the flag and that reason.
     """
-    for arg in args:
-        if arg == "--":
-            break
-        name = arg.split("=", 1)[0]
-        key = "--" + name[2:].replace("-", "_") if name.startswith("--") else name  # tyro accepts both
-        if key in renamed:
-            target = renamed[key]
-            if not target.startswith("--"):
-                raise ConfigError(f"{name}: {target}")
-            raise ConfigError(f"{name} was renamed: use {target} instead")
+    if (found := find_flag(args, renamed)) is None:
+        return
+    name, key = found
+    target = renamed[key]
+    if not target.startswith("--"):
+        raise ConfigError(f"{name}: {target}")
+    raise ConfigError(f"{name} was renamed: use {target} instead")
 
 
 def _split_config(args: Sequence[str]) -> tuple[str | None, list[str]]:

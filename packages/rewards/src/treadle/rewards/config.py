@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Annotated, Literal
 
-from treadle.common.config import ConfigError, alias, configclass, secret, switch_only
+from treadle.common.config import ConfigError, alias, configclass, find_flag, secret, switch_only
 from treadle.common.rpc.transport import is_loopback, off_loopback
 
 
@@ -282,11 +282,7 @@ OPENRLHF_REFUSED: dict[str, str] = {
 
 def refuse_openrlhf_flags(args: Sequence[str]) -> None:
     """Raise ``ConfigError`` naming the first flag of ``OPENRLHF_REFUSED`` in ``args``."""
-    for arg in args:
-        if arg == "--":
-            break
-        name = arg.split("=", 1)[0]
-        key = "--" + name[2:].replace("-", "_") if name.startswith("--") else name  # tyro accepts both
-        if key in OPENRLHF_REFUSED:
-            raise ConfigError(f"{name} (OpenRLHF's serve_rm) is not supported by treadle-rewards serve: "
-                              f"{OPENRLHF_REFUSED[key]}")
+    if (found := find_flag(args, OPENRLHF_REFUSED)) is not None:
+        name, key = found
+        raise ConfigError(f"{name} (OpenRLHF's serve_rm) is not supported by treadle-rewards serve: "
+                          f"{OPENRLHF_REFUSED[key]}")
