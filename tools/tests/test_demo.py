@@ -9,6 +9,7 @@ GRPO steps prove nothing; the full run's numbers are in the report that came wit
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -108,6 +109,12 @@ def test_commands_parse_into_the_intended_runs(demo, tmp_path):
     assert ppo.train.batch_size == ppo.rollout.batch_size * ppo.rollout.n_samples_per_prompt  # one step per rollout
     assert ppo.data.max_samples * ppo.train.num_episodes // ppo.rollout.batch_size == r.rl_steps
     assert ppo.max_len <= 64  # the demo's daemons serve --engine.max_model_len 64
+    assert ppo.algo.kl.init_coef == 0 and not ppo.uses_reference  # no reference model by default
+    with_kl = dataclasses.replace(r, kl_coef=1e-3)  # --recipe.kl_coef: the SFT model as the reference
+    gpu = parse_ppo(demo.steps.ppo_command(with_kl, model=tmp_path / "m", prompts=tmp_path / "p.jsonl", num_prompts=1400,
+                                           eval_data=tmp_path / "e.jsonl", endpoint="tcp://127.0.0.1:5",
+                                           out=tmp_path / "o", gpu=True)[4:])
+    assert gpu.algo.kl.init_coef == 1e-3 and gpu.uses_reference and gpu.vllm.sync_backend == "cuda_ipc"
 
 
 def test_metrics_tail_reads_only_complete_lines(demo, tmp_path):
