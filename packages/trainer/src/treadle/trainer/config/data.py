@@ -65,7 +65,7 @@ class TextDataConfig:
     disable_fast_tokenizer: bool = False
     """Load the slow (Python) tokenizer."""
     dataloader_num_workers: int = 0
-    """Data-loading worker processes per rank."""
+    """Processes that tokenise the dataset before training (one rank per host tokenises; the others read its cache); 0: the trainer's own process. The samples are the same for any count."""
 
     def __post_init__(self) -> None:
         _check_text(self)
@@ -180,6 +180,10 @@ class PromptDataConfig(TextDataConfig):
 
     def __post_init__(self) -> None:
         _check_text(self)
+        if self.dataloader_num_workers:
+            raise ConfigError(f"--dataloader_num_workers {self.dataloader_num_workers}: treadle-train ppo tokenises no "
+                              "data itself (prompts go to the rollout engines as text or messages, which tokenise "
+                              "them), so there is nothing for data-loading workers to do; drop the flag")
         check_mixture("--prompt_dataset", self.prompt_dataset, "--prompt_probs", self.prompt_probs)
         if self.prompt_max_len < 1:
             raise ConfigError(f"--prompt_max_len must be >= 1, got {self.prompt_max_len}")

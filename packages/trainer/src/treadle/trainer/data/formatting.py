@@ -8,29 +8,45 @@ turn with a generation prompt and rendered including it (so any template works, 
 ``{% generation %}`` markers; a template that re-renders earlier turns differently is an error).
 Sequences are tokenised piecewise and concatenated, never re-tokenised as one string.
 
+Rows are tokenised one by one by a per-row function (``_sft_row`` ...), in the Formatter's
+``workers`` processes (``--data.dataloader_num_workers``, ``data.workers``); what needs the
+whole dataset (KTO's mismatched pairs, sample numbering) happens afterwards, in row order, so
+the samples are the same for any worker count.
+
 Not here: loading rows (``sources``) and batching (``batching``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 from treadle.trainer.data.samples import Sample, TokenSeq
 from treadle.trainer.data.sources import Row
+from treadle.trainer.data.workers import map_rows
+
+T = TypeVar("T")
 
 
 class Formatter:
-    """Turns row values into token ids with one tokenizer and one text convention."""
+    """Turns row values into token ids with one tokenizer and one text convention, in ``workers``
+    processes (0: this one)."""
 
-    def __init__(self, tokenizer: Any, *, input_template: str | None, apply_chat_template: bool) -> None:
+    def __init__(self, tokenizer: Any, *, input_template: str | None, apply_chat_template: bool,
+                 workers: int = 0) -> None:
         self.tok = tokenizer
         self.template = input_template
         self.chat_mode = apply_chat_template
+        self.workers = workers
         if apply_chat_template and not getattr(tokenizer, "chat_template", None):
             from treadle.common.config import ConfigError  # noqa: PLC0415
 
             raise ConfigError("--data.apply_chat_template: the tokenizer has no chat template (set --data.tokenizer_chat_template)")
+
+    def map(self, fn: Callable[[Row], T], rows: Sequence[Row]) -> list[T]:
+        """``[fn(r) for r in rows]`` in this formatter's worker processes (``data.workers``)."""
+        return map_rows(fn, rows, workers=self.workers)
 
     def encode(self, text: str) -> list[int]:
         return list(self.tok(text, add_special_tokens=False)["input_ids"])
@@ -89,41 +105,48 @@ def _kept(seq: TokenSeq, max_len: int) -> TokenSeq | None:
     return seq if seq.num_targets else None
 
 
+def _sft_row(row: Row, fmt: Formatter, *, input_key: str, output_key: str | None, multiturn: bool, pretrain: bool,
+             max_len: int) -> TokenSeq | None:
+    """One SFT row's sequence, truncated; None when no target token is left."""
+    if output_key is not None:
+        seq = fmt.prompt_and_answer(row, input_key, output_key)
+    elif fmt.chat_mode:
+        seq = fmt.turns(row, input_key, fmt.messages(row, input_key), learn_all=multiturn)
+    else:  # pretraining text
+        ids = fmt.encode(row.get(input_key)) + [fmt.tok.eos_token_id]
+        seq = TokenSeq.of(ids, [True] * len(ids))
+    if pretrain:
+        seq = TokenSeq.of(seq.ids.tolist(), [True] * len(seq.ids))
+    return _kept(seq, max_len)
+
+
 def sft_samples(rows: Sequence[Row], fmt: Formatter, *, input_key: str, output_key: str | None,
                 multiturn: bool, pretrain: bool, max_len: int) -> tuple[list[Sample], int]:
     """(samples, rows dropped for having no target token left after truncation)."""
-    out, dropped = [], 0
-    for row in rows:
-        if output_key is not None:
-            seq = fmt.prompt_and_answer(row, input_key, output_key)
-        elif fmt.chat_mode:
-            seq = fmt.turns(row, input_key, fmt.messages(row, input_key), learn_all=multiturn)
-        else:  # pretraining text
-            ids = fmt.encode(row.get(input_key)) + [fmt.tok.eos_token_id]
-            seq = TokenSeq.of(ids, [True] * len(ids))
-        if pretrain:
-            seq = TokenSeq.of(seq.ids.tolist(), [True] * len(seq.ids))
-        kept = _kept(seq, max_len)
-        if kept is None:
-            dropped += 1
-            continue
-        out.append(Sample(seqs=(kept,), index=len(out)))
-    return out, dropped
+    seqs = fmt.map(functools.partial(_sft_row, fmt=fmt, input_key=input_key, output_key=output_key,
+                                     multiturn=multiturn, pretrain=pretrain, max_len=max_len), rows)
+    kept = [s for s in seqs if s is not None]
+    return [Sample(seqs=(s,), index=i) for i, s in enumerate(kept)], len(seqs) - len(kept)
+
+
+def _pair_row(row: Row, fmt: Formatter, *, prompt_key: str | None, chosen_key: str, rejected_key: str,
+              margin_key: str | None, max_len: int) -> tuple[TokenSeq, TokenSeq, float] | None:
+    """(chosen, rejected, margin) of one preference row; None when either has no target left."""
+    chosen = _kept(fmt.prompt_and_answer(row, prompt_key, chosen_key), max_len)
+    rejected = _kept(fmt.prompt_and_answer(row, prompt_key, rejected_key), max_len)
+    if chosen is None or rejected is None:
+        return None
+    return chosen, rejected, float(row.get(margin_key, (int, float))) if margin_key else 0.0
 
 
 def pair_samples(rows: Sequence[Row], fmt: Formatter, *, prompt_key: str | None, chosen_key: str,
                  rejected_key: str, margin_key: str | None, max_len: int) -> tuple[list[Sample], int]:
     """(chosen/rejected samples, rows dropped); the margin is read only when ``margin_key`` is given."""
-    out, dropped = [], 0
-    for row in rows:
-        chosen = _kept(fmt.prompt_and_answer(row, prompt_key, chosen_key), max_len)
-        rejected = _kept(fmt.prompt_and_answer(row, prompt_key, rejected_key), max_len)
-        if chosen is None or rejected is None:
-            dropped += 1
-            continue
-        margin = float(row.get(margin_key, (int, float))) if margin_key else 0.0
-        out.append(Sample(seqs=(chosen, rejected), index=len(out), margin=margin))
-    return out, dropped
+    pairs = fmt.map(functools.partial(_pair_row, fmt=fmt, prompt_key=prompt_key, chosen_key=chosen_key,
+                                      rejected_key=rejected_key, margin_key=margin_key, max_len=max_len), rows)
+    kept = [p for p in pairs if p is not None]
+    return ([Sample(seqs=(c, r), index=i, margin=m) for i, (c, r, m) in enumerate(kept)],
+            len(pairs) - len(kept))
 
 
 def _label(row: Row, key: str) -> bool:
@@ -133,6 +156,14 @@ def _label(row: Row, key: str) -> bool:
     return bool(value)
 
 
+def _kto_row(row: Row, fmt: Formatter, *, input_key: str, output_key: str,
+             label_key: str) -> tuple[Any, Any, bool]:
+    """(prompt ids, answer ids, desirable) of one KTO row (pairing needs every row: ``kto_samples``)."""
+    seq = fmt.prompt_and_answer(row, input_key, output_key)
+    start = int(seq.target.argmax()) if seq.num_targets else len(seq.ids)
+    return seq.ids[:start], seq.ids[start:], _label(row, label_key)
+
+
 def kto_samples(rows: Sequence[Row], fmt: Formatter, *, input_key: str, output_key: str, label_key: str,
                 max_len: int) -> tuple[list[Sample], int]:
     """KTO samples: (prompt_i + answer_i, prompt_i + answer_{i+1}) and the label of row i.
@@ -140,11 +171,8 @@ def kto_samples(rows: Sequence[Row], fmt: Formatter, *, input_key: str, output_k
     The second sequence pairs each prompt with the next kept row's answer (cyclically): the
     mismatched pairs from which KTO estimates its KL baseline.
     """
-    parts = []
-    for row in rows:
-        seq = fmt.prompt_and_answer(row, input_key, output_key)
-        start = int(seq.target.argmax()) if seq.num_targets else len(seq.ids)
-        parts.append((seq.ids[:start], seq.ids[start:], _label(row, label_key)))
+    parts = fmt.map(functools.partial(_kto_row, fmt=fmt, input_key=input_key, output_key=output_key,
+                                      label_key=label_key), rows)
     out, dropped = [], 0
     kept_parts = [p for p in parts if len(p[1])]
     for i, (prompt, answer, label) in enumerate(kept_parts):

@@ -91,8 +91,6 @@ def start(cfg: Any, *, ring_supported: bool = False, sleep_supported: bool = Fal
     if missing := missing_packages(cfg):
         raise ConfigError("; ".join(missing))
     dist = init_distributed(launched_by_deepspeed=cfg.local_rank >= 0)
-    if cfg.data.dataloader_num_workers and dist.is_main:
-        log.warning("--data.dataloader_num_workers has no effect: samples are tokenised in memory before training")
     torch.manual_seed(cfg.train.seed)
     if cfg.train.full_determinism_enable:
         torch.use_deterministic_algorithms(True, warn_only=True)
@@ -105,16 +103,20 @@ def ring_group(cfg: Any, dist: DistInfo) -> RingGroup | None:
 
 
 def tokenizer_and_formatter(cfg: Any) -> tuple[Any, Formatter]:
+    """The tokenizer, and the formatter that tokenises rows in ``--data.dataloader_num_workers``
+    processes (``data.workers``)."""
     data = cfg.data
     tok = load_tokenizer(cfg.actor.model_name_or_path, use_fast=not data.disable_fast_tokenizer,
                          chat_template=data.tokenizer_chat_template)
-    return tok, Formatter(tok, input_template=data.input_template, apply_chat_template=data.apply_chat_template)
+    return tok, Formatter(tok, input_template=data.input_template, apply_chat_template=data.apply_chat_template,
+                          workers=data.dataloader_num_workers)
 
 
 def datasets(cfg: Any, tokenise: Tokenise, dist: DistInfo, tokenizer: Any) -> tuple[list[Sample], list[Sample]]:
     """(training samples, evaluation samples) of ``cfg.data`` / ``cfg.eval``, tokenised once per host.
 
-    Local rank 0 tokenises and writes ``<ckpt.path>/data_cache/<fingerprint>.npz``
+    Local rank 0 tokenises (in ``--data.dataloader_num_workers`` processes, with a progress bar)
+    and writes ``<ckpt.path>/data_cache/<fingerprint>.npz``
     (``data.cache``; a file an earlier run left with the same fingerprint is reused instead);
     the other ranks wait for it and read it. Every rank ends with identical samples. The wait is
     an all-reduce of the writer's outcome, so a failure there (a malformed row) is raised on the
@@ -160,12 +162,14 @@ def tokenise_all(cfg: Any, tokenise: Tokenise) -> tuple[list[Sample], list[Sampl
 
 
 def data_fingerprint(cfg: Any, tokenizer: Any) -> str:
-    """``data.cache.fingerprint`` of what ``tokenise_all`` reads: files, tokenizer, data settings."""
+    """``data.cache.fingerprint`` of what ``tokenise_all`` reads: files, tokenizer, data settings
+    (not the worker count: any count makes the same samples)."""
     data = cfg.data
     specs = [(s, data.dataset_split) for s in split_list(data.dataset)]
     specs += [(s, cfg.eval.split) for s in split_list(cfg.eval.dataset or "")]
     stamps = [cache.file_stamp(spec, data_files(spec, split)) for spec, split in specs]
-    settings = {"recipe": type(cfg).__name__, "data": to_dict(data, redact=True), "seed": cfg.train.seed,
+    data_settings = {k: v for k, v in to_dict(data, redact=True).items() if k != "dataloader_num_workers"}
+    settings = {"recipe": type(cfg).__name__, "data": data_settings, "seed": cfg.train.seed,
                 "eval": [cfg.eval.dataset, cfg.eval.split],
                 "pretrain": getattr(cfg.actor, "pretrain_mode_enable", False)}
     return cache.fingerprint(settings=settings, tokenizer=tokenizer, stamps=stamps)
