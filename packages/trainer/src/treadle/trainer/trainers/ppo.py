@@ -241,6 +241,12 @@ class PPOTrainer:
 
     @torch.no_grad()
     def _score_with_reward_model(self, exps: list[Experience]) -> None:
+        """Set every experience's reward to the reward model's (normalised) score, each data-parallel
+        rank scoring its share as for the reference and the critic, but in whole micro-batches: the
+        batch is cut into micro-batches of ``--rollout.micro_batch_size`` first and those are shared
+        out, so a sample is scored beside the same others (the same padding, the same rounding)
+        whatever the rank count. A sum over the ranks (each score on one rank, 0.0 on the others)
+        then gives every rank every score exactly."""
         from treadle.trainer.models.reward_model import on_device  # noqa: PLC0415
         from treadle.trainer.models.value_model import token_values  # noqa: PLC0415
         from treadle.trainer.rl.experience import collate  # noqa: PLC0415
@@ -250,13 +256,18 @@ class PPOTrainer:
         if self.cfg.reward.normalize_enable:  # the statistics the RM trainer stored with the model
             mean = float(getattr(rm.config, "reward_mean", 0.0))
             std = float(getattr(rm.config, "reward_std", 1.0)) or 1.0
+        size, dp = self.score_batching.micro_batch, self.p.dp
+        micro = [list(range(lo, min(lo + size, len(exps)))) for lo in range(0, len(exps), size)]
+        scores = [0.0] * len(exps)
         with on_device(rm, self.dist.device, offload=self.cfg.reward.offload):
-            for lo in range(0, len(exps), self.score_batching.micro_batch):
-                group = exps[lo:lo + self.score_batching.micro_batch]
-                ab = collate(group, packing=self.batching.packing, pad_id=self.batching.pad_id, device=self.dist.device)
-                scores = rm.scores(token_values(rm, ab.batch, self.p.ring), ab.batch).float().cpu().tolist()
-                for e, value in zip(group, scores, strict=True):
-                    e.reward = (value - mean) / std
+            for idx in (micro[k] for k in share_of(len(micro), dp.world, dp.rank)):
+                ab = collate([exps[i] for i in idx], packing=self.batching.packing, pad_id=self.batching.pad_id,
+                             device=self.dist.device)
+                values = rm.scores(token_values(rm, ab.batch, self.p.ring), ab.batch).float().cpu().tolist()
+                for i, value in zip(idx, values, strict=True):
+                    scores[i] = value
+        for e, value in zip(exps, all_reduce(scores, self.dist.device, group=dp.group), strict=True):
+            e.reward = (value - mean) / std
 
     def train_on(self, exps: list[Experience], step: int) -> dict[str, float]:
         """``max_epochs`` passes over ``exps`` in optimizer steps; critic then actor."""
