@@ -156,7 +156,7 @@ async def bench(args: Args, model: Path, rollout: str, gateway_url: str) -> dict
         await rc.wait_ready(600)
         ex = MultiTurnExecutor(env_factory=ThreeTurnEnv, sampler=RolloutSampler(rc), chat=ChatFormat.load(model),
                                sampling=SamplingParams(max_tokens=args.tokens, min_tokens=args.tokens),
-                               config=ExecutorConfig(max_in_flight=args.concurrency))
+                               config=ExecutorConfig(max_in_flight=args.concurrency, max_turn_tokens=args.tokens))
         client = openai.AsyncOpenAI(base_url=gateway_url + "/v1", api_key="unused", max_retries=0)
         with_openai = lambda m, s, t: chat_openai(client, m, s, t)  # noqa: E731
         with_light = lambda m, s, t: chat_light(gw, m, s, t)  # noqa: E731

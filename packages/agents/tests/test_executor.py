@@ -22,7 +22,7 @@ def multi(sampler: Any, chat: Any, env_factory: Any, *, max_tokens: int = 6, see
           temperature: float = 1.0, **config: Any) -> MultiTurnExecutor:
     return MultiTurnExecutor(env_factory=env_factory, sampler=sampler, chat=chat,
                              sampling=SamplingParams(max_tokens=max_tokens, seed=seed, temperature=temperature),
-                             config=ExecutorConfig(**{"max_length": 1024, **config}))
+                             config=ExecutorConfig(**{"max_length": 1024, "max_turn_tokens": max_tokens, **config}))
 
 
 def replay(aio: Any, chat: Any, env: Any, ep: Episode, t: Any) -> None:

@@ -22,7 +22,7 @@ INCORRECT = "\n\nHuman: [INCORRECT]\nPlease analyze the issues and try again.\n<
 
 def executor(name: str, sampler: Any, chat: Any, **kw: Any) -> AgentFileExecutor:
     return AgentFileExecutor(FILES / name, sampler=sampler, chat=chat, sampling=SamplingParams(max_tokens=6, seed=11),
-                             config=ExecutorConfig(max_length=512, **kw))
+                             config=ExecutorConfig(max_length=512, max_turn_tokens=6, **kw))
 
 
 def test_openrlhf_file_runs_natively_token_by_token(aio, sampler, chat) -> None:
@@ -75,7 +75,8 @@ def test_async_init_and_bad_files(aio, sampler, chat, tmp_path) -> None:
     assert "async def __init__" in src
     (tmp_path / "async_init.py").write_text(src)
     ex = AgentFileExecutor(tmp_path / "async_init.py", sampler=sampler, chat=chat,
-                           sampling=SamplingParams(max_tokens=4, seed=1), config=ExecutorConfig(max_length=256))
+                           sampling=SamplingParams(max_tokens=4, seed=1),
+                           config=ExecutorConfig(max_length=256, max_turn_tokens=4))
     t = aio(ex.run(Episode(prompt=PROMPT, label="42")))
     assert t.finish_reason != "error" and t.info["turns"] == 3
     (tmp_path / "none.py").write_text("x = 1\n")

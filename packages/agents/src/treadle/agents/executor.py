@@ -5,7 +5,9 @@
 - ``MultiTurnExecutor``: generate -> ``env.step`` -> append the observation's tokens (loss mask
   0) -> repeat, until the environment says done, ``max_turns`` turns were played, or the token
   budget ``max_length`` (prompt + response) is spent. Reward = sum of step rewards; score and
-  extra_logs = the last step's (OpenRLHF's MultiTurnAgentExecutor semantics).
+  extra_logs = the last step's (OpenRLHF's MultiTurnAgentExecutor semantics). Each turn may
+  sample all that is left of ``max_length`` (``turn_max_tokens``: OpenRLHF's budget), unless
+  ``max_turn_tokens`` caps it; ``sampling.max_tokens`` then only sets the room the prompt leaves.
 
 Both run each episode as its own asyncio task under ``episode_timeout_s``; ``run_many`` keeps up
 to ``max_in_flight`` of them in flight (thousands are fine: an episode is a coroutine, and one
@@ -47,10 +49,16 @@ log = get_logger(__name__)
 class ExecutorConfig:
     """Limits of every episode an executor runs."""
 
-    max_length: int = 4096
-    """Token budget of an episode: prompt + every turn + every observation."""
+    max_length: int = 2048
+    """Token budget of an episode: prompt + every turn + every observation (OpenRLHF's
+    ``--data.max_len``, default 2048 there too). Keep it within the engines' max_model_len:
+    a multi-turn turn may ask for all of it."""
     max_turns: int = 0
     """Policy turns per episode; 0: no limit (until done or the budget)."""
+    max_turn_tokens: int | None = None
+    """Most tokens one turn of a multi-turn episode samples; None: all that is left of
+    ``max_length`` (OpenRLHF's MultiTurnAgentExecutor). Single-turn episodes sample
+    ``sampling.max_tokens``."""
     episode_timeout_s: float = 600.0
     """Wall-clock limit of one episode; 0: none."""
     max_in_flight: int = 4096
@@ -63,6 +71,22 @@ class ExecutorConfig:
             raise ConfigError("--max_turns and --episode_timeout_s must be >= 0")
         if self.max_in_flight < 1:
             raise ConfigError(f"--max_in_flight must be >= 1, got {self.max_in_flight}")
+        if self.max_turn_tokens is not None and self.max_turn_tokens < 1:
+            raise ConfigError(f"--max_turn_tokens must be >= 1 (or None), got {self.max_turn_tokens}")
+
+
+def turn_max_tokens(max_length: int, length: int, cap: int | None) -> int:
+    """Tokens the next turn of a multi-turn episode may sample: what is left of the episode's
+    budget, ``max_length - length`` (OpenRLHF's ``sampling_params.max_tokens = max_length -
+    len(current_obs_tokens)`` before every turn), at most ``cap`` when one is set. <= 0: none."""
+    room = max_length - length
+    return room if cap is None else min(cap, room)
+
+
+def prompt_keep(max_length: int, max_tokens: int) -> int:
+    """Tokens an over-long prompt keeps (its last ones): ``max_length - max_tokens``, the room
+    OpenRLHF's executors leave for the first generation, at least 1."""
+    return max(1, max_length - max_tokens)
 
 
 @dataclass(slots=True)
@@ -116,19 +140,17 @@ class ExecutorBase:
 
     def _prompt_ids(self, st: EpisodeState, prompt: Any) -> EpisodeBuilder:
         ids = self.chat.prompt_ids(prompt, tools=st.episode.tools)
-        keep = self.config.max_length - min(self.sampling.max_tokens, self.config.max_length - 1)
+        keep = prompt_keep(self.config.max_length, self.sampling.max_tokens)
         if ids.shape[0] > keep:
             log.warning("episode %s: prompt of %d tokens cut to its last %d", st.uid, ids.shape[0], keep)
             st.notes["prompt_truncated"] = int(ids.shape[0])
             ids = ids[-keep:]
         return EpisodeBuilder(ids)
 
-    async def _turn(self, st: EpisodeState, sampling: SamplingParams, key: str) -> Turn:
+    async def _turn(self, st: EpisodeState, sampling: SamplingParams, max_tokens: int, key: str) -> Turn:
         assert st.builder is not None
         st.stage = "generate"
-        budget = self.config.max_length - st.builder.length
-        turn = await self.sampler.sample(st.builder.tokens(), with_max_tokens(sampling, min(sampling.max_tokens, budget)),
-                                         key=key)
+        turn = await self.sampler.sample(st.builder.tokens(), with_max_tokens(sampling, max_tokens), key=key)
         st.builder.add_turn(turn.token_ids, turn.logprobs, turn.versions)
         st.finish = turn.finish_reason
         self.stats.turns += 1
@@ -205,7 +227,8 @@ class SingleTurnExecutor(ExecutorBase):
         ep = st.episode
         st.stage = "tokenize"
         st.builder = self._prompt_ids(st, ep.prompt)
-        turn = await self._turn(st, self.sampling, st.uid)
+        budget = self.config.max_length - st.builder.length
+        turn = await self._turn(st, self.sampling, min(self.sampling.max_tokens, budget), st.uid)
         reward = score = None
         if self.reward is not None:
             st.stage = "reward"
@@ -246,13 +269,14 @@ class MultiTurnExecutor(ExecutorBase):
     async def _loop(self, st: EpisodeState, env: Environment) -> str:
         """Play turns until the episode ends; returns why ("done", "budget", "max_turns")."""
         assert st.builder is not None
-        sampling, n = self.sampling, 0
+        sampling, n, cfg = self.sampling, 0, self.config
         while True:
-            if self.config.max_turns and n >= self.config.max_turns:
+            if cfg.max_turns and n >= cfg.max_turns:
                 return "max_turns"
-            if st.builder.length >= self.config.max_length:
+            max_tokens = turn_max_tokens(cfg.max_length, st.builder.length, cfg.max_turn_tokens)
+            if max_tokens <= 0:
                 return "budget"
-            turn = await self._turn(st, sampling, f"{st.uid}:{n}")
+            turn = await self._turn(st, sampling, max_tokens, f"{st.uid}:{n}")
             action = Action(text=self.chat.decode(turn.token_ids), token_ids=turn.token_ids,
                             finish_reason=turn.finish_reason, turn=n, stopped=turn.stopped)
             st.stage = "step"

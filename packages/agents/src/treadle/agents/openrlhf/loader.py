@@ -60,10 +60,12 @@ def _scalar(x: Any) -> float:
 
 
 class EngineAdapter:
-    """OpenRLHF's ``llm_engine`` over a treadle ``Sampler``; records every turn it sampled."""
+    """OpenRLHF's ``llm_engine`` over a treadle ``Sampler``; records every turn it sampled.
+    ``max_turn_tokens``: the executor's (``ExecutorConfig``), for episodes a file's own
+    ``execute`` runs through ``MultiTurnAgentExecutor.execute``."""
 
-    def __init__(self, sampler: Sampler, chat: Any, key: str) -> None:
-        self.sampler, self.chat, self.key = sampler, chat, key
+    def __init__(self, sampler: Sampler, chat: Any, key: str, max_turn_tokens: int | None = None) -> None:
+        self.sampler, self.chat, self.key, self.max_turn_tokens = sampler, chat, key, max_turn_tokens
         self.turns: list[Turn] = []
 
     async def sample(self, prompt_ids: np.ndarray, sampling: SamplingParams, *, key: str) -> Turn:
@@ -173,7 +175,8 @@ async def run_instance_episode(instance_cls: type, prompt: Any, label: Any, samp
     """``MultiTurnAgentExecutor.execute`` on treadle's executor; raises if the episode failed."""
     sp = to_treadle(sampling_params)
     ex = MultiTurnExecutor(env_factory=lambda: AgentInstanceEnv(instance_cls, sp), sampler=engine, chat=engine.chat,
-                           sampling=sp, config=ExecutorConfig(max_length=max_length, episode_timeout_s=0))
+                           sampling=sp, config=ExecutorConfig(max_length=max_length, episode_timeout_s=0,
+                                                              max_turn_tokens=engine.max_turn_tokens))
     traj = await ex.run(Episode(prompt=prompt, label=label, uid=engine.key))
     if traj.finish_reason == "error":
         raise RuntimeError(traj.info["error"])
@@ -254,7 +257,7 @@ class AgentFileExecutor(MultiTurnExecutor):
         if self.native:
             return await super()._play(st)
         ep = st.episode
-        engine = EngineAdapter(self.sampler, self.chat, st.uid)
+        engine = EngineAdapter(self.sampler, self.chat, st.uid, self.config.max_turn_tokens)
         st.stage = "execute"
         out = await self.user.execute(prompt=ep.prompt, label=ep.label,
                                       sampling_params=VllmSamplingParams.from_treadle(self.sampling),
