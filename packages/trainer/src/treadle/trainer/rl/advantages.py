@@ -11,6 +11,19 @@ The trainer's pipeline for one rollout batch, each step a function here:
 3. ``compute_advantages(estimator, ...)``: returns and advantages ``[B, L]`` (GAE, or discounted
    returns), whitened over the batch for the estimators that want it.
 
+Process rewards (per-token rewards an agent gave, ``Trajectory.token_rewards`` at the action
+tokens) enter at step 2 only, like the KL penalty: r_t = p_t - kl_coef kl_t (+ the episode's
+outcome reward R' on the last action token), where R' alone went through step 1's shaping,
+baseline and clipping; p_t is neither baselined nor clipped. So only the estimators whose step 3
+supplies a baseline for per-token rewards take them (``PROCESS_REWARD_ESTIMATORS``): ``gae`` (the
+critic's values) and ``reinforce`` / ``reinforce_baseline`` (returns whitened over the batch).
+The group estimators (``rloo``, ``group_norm``, ``dr_grpo``, ``flash_reinforce``) use the
+returns as advantages unwhitened: a raw p_t would reach the advantage with no baseline and, for
+GRPO, outside its std scale. They are refused there (``rl.returns``), not silently summed;
+DeepSeekMath's process-supervised GRPO (sec. 4.1.3, step rewards normalised over the group) is
+not implemented. OpenRLHF has no per-token rewards at all: its reward functions return one
+number per sample and its ``MultiTurnAgentExecutor`` sums the step rewards into one.
+
 Layout: ``[B, L]`` right-padded action arrays, ``mask`` bool with a True prefix per row; the
 ``n`` samples of one prompt are consecutive (``x.view(G, n)``). Every ``[B, L]`` output is 0 on
 padding. Whitening uses the statistics of the tensor it is given: the trainer calls it on the
@@ -117,6 +130,10 @@ def token_rewards(final: Tensor, mask: Tensor, kl: Tensor | None, kl_coef: float
     last, nonempty = last_index(m)
     on_last = torch.where(nonempty, as_float(final), 0.0)
     return r.scatter_add(1, last[:, None], on_last[:, None].to(r.dtype))
+
+
+PROCESS_REWARD_ESTIMATORS = frozenset({"gae", "reinforce", "reinforce_baseline"})
+"""Estimators that take per-token (process) rewards in ``token_rewards(process=...)`` (module docstring)."""
 
 
 def _gap_powers(base: float, gaps: Tensor | None, like: Tensor, mask: Tensor) -> Tensor:

@@ -5,8 +5,10 @@ response), the positions of its *action* tokens (response tokens the policy samp
 ``loss_mask == 1``; environment tokens are context only), and per-action arrays filled in stages:
 the rollout engine's logprobs (from the trajectory), the trainer's old-policy and reference
 logprobs and the critic's values (forward passes), then rewards, advantages and returns (the
-pure math of ``rl.advantages``). Action arrays are ``[L]``; batched they are right-padded ``[B, L]``
-with a mask, the layout of every function in ``rl/``.
+pure math of ``rl.advantages``). A trajectory's per-token (process) rewards, when its agent gave
+them, become the action array ``process_rewards`` (``rl.returns`` adds them to the token rewards).
+Action arrays are ``[L]``; batched they are right-padded ``[B, L]`` with a mask, the layout of
+every function in ``rl/``.
 
 ``collate`` builds the model batch (padded or packed, ``data.batching``) plus ``flat_index``: for
 action ``j`` of sequence ``b`` the flat position (row * T + column) of its token in the model's
@@ -29,7 +31,8 @@ from treadle.common.records import Trajectory
 from treadle.trainer.data.batching import SeqBatch, pack_batch, pad_batch
 from treadle.trainer.data.samples import Sample, TokenSeq
 
-ACTION_FIELDS = ("rollout_logp", "old_logp", "ref_logp", "values", "advantages", "returns", "is_weights")
+ACTION_FIELDS = ("rollout_logp", "process_rewards", "old_logp", "ref_logp", "values", "advantages", "returns",
+                 "is_weights")
 
 
 @dataclass(slots=True, kw_only=True)
@@ -59,13 +62,35 @@ class Experience:
 
 
 def from_trajectory(traj: Trajectory) -> Experience:
-    """The experience of ``traj``; its rollout logprobs become the ``rollout_logp`` action array."""
+    """The experience of ``traj``: its rollout logprobs become the ``rollout_logp`` action array,
+    its ``token_rewards`` (when set) the ``process_rewards`` one (``process_rewards_of``)."""
     prompt = np.asarray(traj.prompt_token_ids, dtype=np.int64)
     response = np.asarray(traj.response_token_ids, dtype=np.int64)
     mask = np.asarray(traj.loss_mask).astype(bool)
     pos = np.flatnonzero(mask).astype(np.int64) + prompt.shape[0]
-    lp = np.asarray(traj.rollout_logprobs, dtype=np.float32)[mask]
-    return Experience(traj=traj, ids=np.concatenate([prompt, response]), pos=pos, arrays={"rollout_logp": lp})
+    arrays = {"rollout_logp": np.asarray(traj.rollout_logprobs, dtype=np.float32)[mask]}
+    if traj.token_rewards is not None:
+        arrays["process_rewards"] = process_rewards_of(traj, mask)
+    return Experience(traj=traj, ids=np.concatenate([prompt, response]), pos=pos, arrays=arrays)
+
+
+def process_rewards_of(traj: Trajectory, mask: np.ndarray) -> np.ndarray:
+    """[L] float32: ``traj.token_rewards`` at the action tokens (``mask``, the loss mask as bool).
+
+    Raises ``ValueError`` naming the trajectory and the position for a non-finite value, or for a
+    non-zero one on an environment token (loss mask 0): those are context, not steps of the
+    policy, so a reward there has no action to credit (an agent gives process rewards per action
+    token, ``treadle.agents.api.StepResult.token_rewards``).
+    """
+    tr = np.asarray(traj.token_rewards, dtype=np.float32)
+    bad = np.flatnonzero(~np.isfinite(tr))
+    if bad.size:
+        raise ValueError(f"trajectory {traj.uid!r}: token_rewards[{bad[0]}] = {tr[bad[0]]} is not finite")
+    off = np.flatnonzero((tr != 0) & ~mask)
+    if off.size:
+        raise ValueError(f"trajectory {traj.uid!r}: token_rewards[{off[0]}] = {tr[off[0]]:g} lies on an environment "
+                         f"token (loss_mask 0; {off.size} such); process rewards go on the policy's own tokens")
+    return tr[mask].copy()
 
 
 def as_sample(exp: Experience, index: int) -> Sample:

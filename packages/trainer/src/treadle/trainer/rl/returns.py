@@ -9,6 +9,10 @@ same numbers), the steps OpenRLHF's experience maker runs after the forward pass
 3. the per-token KL to the reference, subtracted from the reward unless it is a loss term (``rl.kl``);
 4. the group baseline of the estimator, then clipping to ``--reward.clip_range`` (after the
    baseline, as OpenRLHF's ``compute_reward``), then returns and advantages (``rl.advantages``).
+   The episode reward goes on each row's last action token; an agent's per-token (process)
+   rewards, the ``process_rewards`` action arrays, are added where they fall, unshaped and
+   unclipped: r_t = p_t - kl_coef kl_t + [t last] R'. Only ``PROCESS_REWARD_ESTIMATORS`` take
+   them; with any other estimator a batch carrying them is refused (``process_rewards``).
 
 These per-token scalars are computed in float64 (rewards of 1e4 lose digits in float32 sums and
 whitening) and stored as the float32 action arrays ``advantages``, ``returns`` and
@@ -24,7 +28,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from treadle.trainer.rl.advantages import GROUP_BASELINES, compute_advantages, token_rewards
+from treadle.trainer.rl.advantages import (
+    GROUP_BASELINES,
+    PROCESS_REWARD_ESTIMATORS,
+    compute_advantages,
+    token_rewards,
+)
 from treadle.trainer.rl.correction import is_correction, logprob_gap
 from treadle.trainer.rl.experience import Experience, env_gaps, stack, unstack
 from treadle.trainer.rl.kl import KL_ESTIMATORS
@@ -74,11 +83,34 @@ def episode_rewards(exps: Sequence[Experience], cfg: ReturnsConfig) -> torch.Ten
     return r
 
 
+def process_rewards(exps: Sequence[Experience], estimator: str) -> torch.Tensor | None:
+    """[B, L] float64 process rewards of the batch (0 for experiences without), or None when no
+    experience has any. Raises ``ValueError`` naming ``--algo.advantage.estimator`` when the
+    estimator cannot use them (``rl.advantages``' module docstring says why)."""
+    given = [e for e in exps if "process_rewards" in e.arrays]
+    if not given:
+        return None
+    if estimator not in PROCESS_REWARD_ESTIMATORS:
+        raise ValueError(
+            f"trajectory {given[0].traj.uid!r} (and {len(given) - 1} more in this batch) carries per-token "
+            f"rewards (Trajectory.token_rewards, from the agent's StepResult.token_rewards), which "
+            f"--algo.advantage.estimator {estimator} cannot use: its advantages are the returns with the group "
+            f"baseline taken on the episode reward only, so per-token rewards would reach them with no baseline. "
+            f"Use one of {sorted(PROCESS_REWARD_ESTIMATORS)}, or fold them into the step's reward")
+    width = max(1, max(e.num_actions for e in exps))
+    out = torch.zeros(len(exps), width, dtype=torch.float64)
+    for k, e in enumerate(exps):
+        if "process_rewards" in e.arrays:
+            out[k, : e.num_actions] = torch.from_numpy(e.arrays["process_rewards"]).double()
+    return out
+
+
 def finalize(exps: Sequence[Experience], cfg: ReturnsConfig) -> dict[str, float]:
     """Fill ``is_weights``, ``advantages`` and ``returns`` of ``exps``; the step's metrics.
 
     Without ``old_logp`` arrays (not scored: strictly on-policy, no KL penalty in the reward, no IS
     correction) the gap between engine and trainer is measured in the actor's step instead."""
+    process = process_rewards(exps, cfg.estimator)  # refused before any of the math below
     rollout, mask = stack(exps, "rollout_logp")
     rollout = rollout.double()
     metrics: dict[str, float] = {}
@@ -103,7 +135,7 @@ def finalize(exps: Sequence[Experience], cfg: ReturnsConfig) -> dict[str, float]
         per_seq = kl.sum(1) / mask.sum(1).clamp(min=1)
         metrics["kl"] = float(per_seq.mean())
     final = clip_rewards(GROUP_BASELINES[cfg.estimator](shaped, cfg.group_size), *cfg.clip_range)
-    rewards = token_rewards(final, mask, kl if cfg.kl_in_reward else None, cfg.kl_coef)
+    rewards = token_rewards(final, mask, kl if cfg.kl_in_reward else None, cfg.kl_coef, process)
     values = stack(exps, "values")[0].double() if cfg.estimator == "gae" else None
     gaps = env_gaps(exps) if cfg.discount_env_tokens else None
     adv, ret = compute_advantages(cfg.estimator, token_rewards=rewards, mask=mask, values=values, gamma=cfg.gamma,
@@ -119,6 +151,8 @@ def finalize(exps: Sequence[Experience], cfg: ReturnsConfig) -> dict[str, float]
         "response_length/mean": float(lengths.mean()), "response_length/max": float(lengths.max()),
         "truncated_frac": float(np.mean([e.traj.truncated for e in exps])),
     })
+    if process is not None:
+        metrics["reward/process_mean"] = float(process.sum(1).mean())  # per sample, summed over its tokens
     metrics.update(extra_log_means([e.traj.extra_logs for e in exps], taken=metrics.keys()))
     return metrics
 
