@@ -10,13 +10,24 @@ treadle.integration.train_ppo_ray``. Running them needs the extras where they co
 (``treadle-rollout[vllm|hf]``, ``treadle-trainer[train]``, ``treadle-rewards[rm]``); a rule-function
 reward daemon needs none, so the light ``treadle-rewards`` venv also serves a reward file here.
 
+And a training install runs: ``treadle-trainer[train]`` with ``treadle-rollout[hf]`` in a fresh
+venv trains a tiny SFT and a tiny GRPO (``treadle-train sft`` / ``ppo``, the HF engine, the
+built-in ``math`` reward) from the wheels alone, each exiting 0 with its curves drawn. About
+three minutes on 2 shared CPU cores (building the wheels and the venv is most of it).
+
 Wheels of the third-party dependencies (and hatchling, the build backend) are downloaded from
 the package index once into ``.cache/wheelhouse`` and reused; builds and installs then run with
 ``--no-index``. Fresh venvs each run (``venv --without-pip``; the outer pip installs into them).
+The training install takes the dev venv's versions (``make venv``'s; this test runs there), so
+it finds what the Makefile found: torch is the CPU wheel pip's configuration points at on this
+machine (never a CUDA build), and DeepSpeed, which has no wheel on the index, is built once into
+the wheelhouse from the dev venv, as the Makefile builds it (``--no-build-isolation``, its CPU
+shared-memory op ahead of time).
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import subprocess
@@ -51,8 +62,8 @@ def run(cmd: list[str], timeout: float = 120, **kw) -> subprocess.CompletedProce
     return proc
 
 
-def pip(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
-    return run([sys.executable, "-m", "pip", "--disable-pip-version-check", *args], timeout=timeout)
+def pip(*args: str, timeout: float = 180, **kw) -> subprocess.CompletedProcess:
+    return run([sys.executable, "-m", "pip", "--disable-pip-version-check", *args], timeout=timeout, **kw)
 
 
 def offline_env() -> dict[str, str]:
@@ -152,3 +163,93 @@ def test_light_reward_daemon_serves_a_reward_file_without_torch(wheels, tmp_path
             os.killpg(proc.pid, 9)
             proc.wait()
     assert proc.returncode == 0
+
+
+# -- a training install: tiny SFT and GRPO runs from the wheels -------------------------------------
+
+TRAIN_EXTRAS = ["treadle-trainer[train]", "treadle-rollout[hf]"]  # what a CPU training run installs
+
+
+def dev_versions(folder: Path) -> Path:
+    """A pip constraints file pinning every third-party distribution to the dev venv's version."""
+    pins = sorted({f"{d.metadata['Name']}=={d.version}" for d in importlib.metadata.distributions()
+                   if not d.metadata["Name"].lower().startswith("treadle")})
+    path = folder / "dev-versions.txt"
+    path.write_text("\n".join(pins) + "\n")
+    return path
+
+
+def fill_training_wheelhouse(wheels: Path, constraints: Path) -> None:
+    """Everything ``TRAIN_EXTRAS`` declares, as wheels in the wheelhouse (the index once; then offline)."""
+    links = ["--find-links", str(WHEELHOUSE), "--find-links", str(wheels), "-c", str(constraints)]
+    resolve = ["install", "-q", "--dry-run", "--ignore-installed", "--no-index", *links, *TRAIN_EXTRAS]
+    try:
+        pip(*resolve)
+        return
+    except AssertionError:
+        pass
+    ds = importlib.metadata.version("deepspeed")
+    if not list(WHEELHOUSE.glob(f"deepspeed-{ds}-*.whl")):  # no wheel on the index: built as `make venv` does
+        pip("wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(WHEELHOUSE), f"deepspeed=={ds}",
+            timeout=900, env={**os.environ, "DS_BUILD_OPS": "0", "DS_BUILD_SHM_COMM": "1"})
+    pip("download", "-q", "--only-binary", ":all:", "-d", str(WHEELHOUSE), *links, *TRAIN_EXTRAS, timeout=900)
+    for p in WHEELHOUSE.glob("treadle_*"):
+        p.unlink()
+    pip(*resolve)
+
+
+def tiny_task(folder: Path) -> tuple[Path, Path]:
+    """(the tiny model, a jsonl of sums: question/response for SFT, prompt/label for GRPO)."""
+    from treadle_testing import load_tool
+
+    model = load_tool("tiny_model").build("tiny", folder / "tiny", seed=0).out
+    rows = [{"question": f"{a}+{b}=", "response": str(a + b), "prompt": f"What is {a}+{b}?", "label": str(a + b)}
+            for a in range(4) for b in range(4)]
+    data = folder / "sums.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return model, data
+
+
+def assert_curves(out: Path, steps: int) -> None:
+    curves = out / "ckpt" / "curves.png"
+    assert curves.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", f"{curves} is not a PNG"
+    rows = [json.loads(line) for line in (out / "ckpt" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+
+
+@pytest.mark.timeout(1200)
+def test_tiny_sft_and_grpo_train_from_the_wheels(wheels, tmp_path):
+    fill_training_wheelhouse(wheels, dev_versions(tmp_path))
+    venv = tmp_path / "venv-train"
+    run([sys.executable, "-m", "venv", "--without-pip", str(venv)], env=clean_env())
+    pip("--python", str(venv / "bin" / "python"), "install", "-q", "--no-index", "--find-links", str(WHEELHOUSE),
+        "--find-links", str(wheels), "-c", str(tmp_path / "dev-versions.txt"), *TRAIN_EXTRAS, timeout=900)
+    bin_ = venv / "bin"
+    env = {**clean_env(), "PATH": f"{bin_}{os.pathsep}{os.environ['PATH']}", "OMP_NUM_THREADS": "1",
+           "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+           "MPLCONFIGDIR": str(tmp_path / "mpl"), "TORCH_EXTENSIONS_DIR": str(tmp_path / "torch_extensions"),
+           "TOKENIZERS_PARALLELISM": "false"}
+    where = run([str(bin_ / "python"), "-c", "import treadle.trainer, torch; print(treadle.trainer.__path__[0]); "
+                 "print(torch.__version__, torch.version.cuda)"], env=env, cwd=tmp_path).stdout.split()
+    assert where[0].startswith(str(venv)) and where[2] == "None", where  # the wheel's copy; a CPU torch
+    model, data = tiny_task(tmp_path)
+    common = ["--actor.model_name_or_path", str(model), "--ds.param_dtype", "fp32", "--ds.zero_stage", "0",
+              "--train.micro_batch_size", "8"]
+
+    sft = tmp_path / "sft"
+    run([str(bin_ / "treadle-train"), "sft", *common, "--data.dataset", str(data), "--data.input_key", "question",
+         "--data.output_key", "response", "--train.batch_size", "8", "--train.max_epochs", "1",
+         "--ckpt.path", str(sft / "ckpt"), "--ckpt.output_dir", str(sft / "model")], env=env, cwd=tmp_path,
+        timeout=300)
+    assert_curves(sft, steps=2)
+    assert (sft / "model" / "config.json").is_file()
+
+    grpo = tmp_path / "grpo"
+    run([str(bin_ / "treadle-train"), "ppo", *common, "--data.prompt_dataset", str(data), "--data.input_key", "prompt",
+         "--data.label_key", "label", "--algo.advantage.estimator", "group_norm", "--reward.remote_url", "math",
+         "--rollout.n_samples_per_prompt", "4", "--rollout.batch_size", "2", "--train.batch_size", "8",
+         "--rollout.micro_batch_size", "8", "--rollout.max_new_tokens", "8", "--data.prompt_max_len", "32",
+         "--data.max_samples", "4", "--actor.num_gpus_per_node", "1", "--algo.kl.init_coef", "0",
+         "--vllm.backend", "hf", "--vllm.bucket_mb", "1", "--ckpt.path", str(grpo / "ckpt"),
+         "--ckpt.output_dir", str(grpo / "model")], env=env, cwd=tmp_path, timeout=300)
+    assert_curves(grpo, steps=2)
