@@ -100,7 +100,7 @@ def play_guessing_through_gateway(gw: Any, session: str, ep: Episode, seed: int)
 def test_executor_and_gateway_agree_token_by_token(aio, gateway, sampler, chat) -> None:
     ep = games(1, seed=5)[0]
     ex = MultiTurnExecutor(env_factory=lambda: GuessingEnv(max_turns=3), sampler=sampler, chat=chat,
-                           sampling=SamplingParams(max_tokens=6, seed=9), config=ExecutorConfig())
+                           sampling=SamplingParams(max_tokens=6, seed=9), config=ExecutorConfig(max_turn_tokens=6))
     e = aio(ex.run(ep))
     play_guessing_through_gateway(gateway, "guess-1", ep, seed=9)
     [g] = SyncGatewayClient(gateway.url).trajectories("guess-1")
