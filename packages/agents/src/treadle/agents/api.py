@@ -20,7 +20,7 @@ Not here: running episodes (``executor``), tokens (``builder``), sampling (``sam
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -91,12 +91,21 @@ class StepResult:
     """Scalar metrics; the episode keeps the last step's."""
     sampling: SamplingParams | None = None
     """Sampling for the next turn; None keeps the current one."""
+    token_rewards: Sequence[float] | None = None
+    """Per-token (process) rewards of the action this step answers, one per action token
+    (``Action.token_ids``): the Trajectory's ``token_rewards`` at those tokens (0 elsewhere), which
+    the trainer adds to the per-token rewards of the estimators that take them (``gae``,
+    ``reinforce``, ``reinforce_baseline``; the others refuse them). ``reward`` still counts towards
+    the episode reward, put on the last action token. None: none. A treadle extension: OpenRLHF
+    has no per-token rewards (an OpenRLHF agent file may return them under ``"token_rewards"``)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.observation, (str, list)):
             raise TypeError(f"StepResult.observation must be text or messages, got {type(self.observation).__name__}")
         if not math.isfinite(self.reward):
             raise ValueError(f"StepResult.reward must be finite, got {self.reward}")
+        if self.token_rewards is not None and not np.isfinite(np.asarray(self.token_rewards, np.float64)).all():
+            raise ValueError("StepResult.token_rewards must be finite numbers")
 
 
 @runtime_checkable

@@ -5,6 +5,8 @@ everything after the prompt; per response token ``t``:
 
     loss_mask[t]        = 1 if t lies in a turn (the policy sampled it) else 0
     rollout_logprobs[t] = the engine's logprob of t under the sampling policy if sampled, else 0
+    token_rewards[t]    = the per-token reward an environment gave t (``reward_last_turn``), else 0;
+                          None (no array) when no turn got any
 
 ``info["spans"]`` lists each turn's ``[start, end)`` in response coordinates (one trainable span
 per turn; two turns with nothing between them stay two spans, unlike runs of the mask).
@@ -39,6 +41,7 @@ class EpisodeBuilder:
         self.spans: list[tuple[int, int]] = []
         self.versions: list[int] = []
         self.response_len = 0
+        self._turn_rewards: dict[int, np.ndarray] = {}  # span start -> that turn's per-token rewards
 
     @property
     def length(self) -> int:
@@ -68,6 +71,25 @@ class EpisodeBuilder:
         self.versions.extend(int(v) for v in versions)
         return start, self.response_len
 
+    def reward_last_turn(self, rewards: np.ndarray | Sequence[float]) -> None:
+        """Per-token rewards of the last turn, one per its tokens (``StepResult.token_rewards``)."""
+        if not self.spans:
+            raise ValueError("token_rewards before any turn")
+        a, b = self.spans[-1]
+        values = np.asarray(rewards, dtype=np.float32).reshape(-1)
+        if values.shape[0] != b - a:
+            raise ValueError(f"token_rewards has {values.shape[0]} values for a turn of {b - a} tokens "
+                             "(one per action token)")
+        self._turn_rewards[a] = values
+
+    def _token_rewards(self) -> np.ndarray | None:
+        if not self._turn_rewards:
+            return None
+        out = np.zeros(self.response_len, np.float32)
+        for a, values in self._turn_rewards.items():
+            out[a:a + values.shape[0]] = values
+        return out
+
     def add_observation(self, ids: np.ndarray | Sequence[int]) -> None:
         """Append environment tokens (masked out of the loss, logprob 0)."""
         ids = np.asarray(ids, dtype=np.int32).reshape(-1)
@@ -85,7 +107,7 @@ class EpisodeBuilder:
         return Trajectory(
             prompt_token_ids=self.prompt, response_token_ids=cat(self._ids, np.int32),
             rollout_logprobs=cat(self._lps, np.float32), loss_mask=cat(self._mask, np.uint8),
-            reward=reward, score=score, min_policy_version=min(versions), max_policy_version=max(versions),
+            reward=reward, token_rewards=self._token_rewards(), score=score, min_policy_version=min(versions), max_policy_version=max(versions),
             truncated=truncated, finish_reason=finish_reason, uid=uid, group_id=group_id,
             extra_logs=dict(extra_logs or {}),
             info={**(info or {}), "spans": [[a, b] for a, b in self.spans], "turns": len(self.spans)})

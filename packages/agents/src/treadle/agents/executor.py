@@ -5,9 +5,11 @@
 - ``MultiTurnExecutor``: generate -> ``env.step`` -> append the observation's tokens (loss mask
   0) -> repeat, until the environment says done, ``max_turns`` turns were played, or the token
   budget ``max_length`` (prompt + response) is spent. Reward = sum of step rewards; score and
-  extra_logs = the last step's (OpenRLHF's MultiTurnAgentExecutor semantics). Each turn may
-  sample all that is left of ``max_length`` (``turn_max_tokens``: OpenRLHF's budget), unless
-  ``max_turn_tokens`` caps it; ``sampling.max_tokens`` then only sets the room the prompt leaves.
+  extra_logs = the last step's (OpenRLHF's MultiTurnAgentExecutor semantics); a step's per-token
+  rewards (``StepResult.token_rewards``, treadle's) go on its turn's tokens of
+  ``Trajectory.token_rewards``. Each turn may sample all that is left of ``max_length``
+  (``turn_max_tokens``: OpenRLHF's budget), unless ``max_turn_tokens`` caps it;
+  ``sampling.max_tokens`` then only sets the room the prompt leaves.
 
 Both run each episode as its own asyncio task under ``episode_timeout_s``; ``run_many`` keeps up
 to ``max_in_flight`` of them in flight (thousands are fine: an episode is a coroutine, and one
@@ -254,6 +256,9 @@ class MultiTurnExecutor(ExecutorBase):
         st.reward += float(res.reward)
         st.score = None if res.score is None else float(res.score)
         st.extra_logs = floats_of(res.extra_logs)
+        if res.token_rewards is not None:  # process rewards of the turn just played
+            assert st.builder is not None
+            st.builder.reward_last_turn(res.token_rewards)
 
     def _observe(self, st: EpisodeState, res: StepResult, turn: Turn) -> bool:
         """Append the observation; False when it did not fit in the budget (cut to fit)."""

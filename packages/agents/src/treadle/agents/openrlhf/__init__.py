@@ -28,6 +28,11 @@ gets that adapter and a vLLM-shaped ``SamplingParams`` (``vllm_types``).
 ``treadle.agents.openrlhf.loader`` loads such files (registering this module as
 ``openrlhf.utils.agent`` when OpenRLHF itself is not installed) and turns their output into
 Trajectories. ``async def __init__`` (older OpenRLHF examples) is supported.
+
+A treadle extension: ``step``'s states also hold ``"action_token_ids"`` (the turn's sampled
+tokens), and ``step`` may return ``"token_rewards"``, one number per action token (process
+rewards, ``treadle.agents.api.StepResult.token_rewards``); an executor's own ``execute`` may return
+them per ``observation_tokens`` entry, like ``rollout_log_probs``. OpenRLHF ignores both keys.
 """
 
 from __future__ import annotations

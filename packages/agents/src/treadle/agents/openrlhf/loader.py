@@ -59,6 +59,12 @@ def _scalar(x: Any) -> float:
     return float(item() if callable(item) else x)
 
 
+def _floats(x: Any) -> list[float]:
+    """A tensor, array or list of numbers as Python floats (flattened)."""
+    x = x.detach().cpu() if hasattr(x, "detach") else x
+    return [float(v) for v in np.asarray(x, dtype=np.float64).reshape(-1)]
+
+
 class EngineAdapter:
     """OpenRLHF's ``llm_engine`` over a treadle ``Sampler``; records every turn it sampled.
     ``max_turn_tokens``: the executor's (``ExecutorConfig``), for episodes a file's own
@@ -110,8 +116,9 @@ class AgentInstanceEnv:
         return obs
 
     async def step(self, action: Action) -> StepResult:
+        # action_token_ids: treadle's extension, for per-token rewards ("token_rewards", one per action token)
         states = {"observation_text": self.observation_text, "action_text": action.text, "label": self.label,
-                  "sampling_params": self.sampling}
+                  "sampling_params": self.sampling, "action_token_ids": action.token_ids.tolist()}
         r = await self.instance.step(states)
         feedback = r.get("environment_feedback", "") or ""
         self.observation_text += action.text + feedback
@@ -119,9 +126,11 @@ class AgentInstanceEnv:
         if r.get("sampling_params") is not None:
             self.sampling = r["sampling_params"]
             sampling = to_treadle(self.sampling)
+        per_token = r.get("token_rewards")  # treadle's extension (StepResult.token_rewards); OpenRLHF has none
         return StepResult(observation=feedback, reward=_scalar(r.get("rewards", 0.0)),
                           score=None if r.get("scores") is None else _scalar(r["scores"]), done=bool(r["done"]),
-                          extra_logs=floats_of(r.get("extra_logs")), sampling=sampling)
+                          extra_logs=floats_of(r.get("extra_logs")), sampling=sampling,
+                          token_rewards=None if per_token is None else _floats(per_token))
 
 
 def to_openrlhf(traj: Trajectory, prompt: Any, label: Any) -> dict[str, Any]:
@@ -132,7 +141,8 @@ def to_openrlhf(traj: Trajectory, prompt: Any, label: Any) -> dict[str, Any]:
             "action_ranges": [(p + a, p + b) for a, b in traj.info.get("spans", [])],
             "rollout_log_probs": [0.0] * p + traj.rollout_logprobs.tolist(),
             "reward": traj.reward, "scores": traj.score, "extra_logs": dict(traj.extra_logs),
-            "truncated": traj.truncated}
+            "truncated": traj.truncated,
+            "token_rewards": None if traj.token_rewards is None else [0.0] * p + traj.token_rewards.tolist()}
 
 
 def _logprobs(out: dict[str, Any], ranges: list[tuple[int, int]], turns: list[Turn], p: int, n: int) -> np.ndarray:
@@ -162,8 +172,10 @@ def from_openrlhf(out: dict[str, Any], turns: list[Turn], *, uid: str, group_id:
     reward = None if out.get("reward") is None else _scalar(out["reward"])
     score = None if out.get("scores") is None else _scalar(out["scores"])
     finish = turns[-1].finish_reason if turns and turns[-1].finish_reason in ("stop", "length", "abort") else "stop"
+    given = out.get("token_rewards")  # treadle's extension: per observation token, like rollout_log_probs
+    token_rewards = None if given is None else np.asarray(_floats(given)[p:], np.float32)
     return Trajectory(prompt_token_ids=obs[:p], response_token_ids=resp, rollout_logprobs=lps.astype(np.float32),
-                      loss_mask=mask, reward=reward, score=score, min_policy_version=min(versions),
+                      loss_mask=mask, reward=reward, token_rewards=token_rewards, score=score, min_policy_version=min(versions),
                       max_policy_version=max(versions), truncated=bool(out.get("truncated", False)),
                       finish_reason=finish, uid=uid, group_id=group_id, extra_logs=floats_of(out.get("extra_logs")),
                       info={**info, "spans": [[a - p, b - p] for a, b in ranges], "turns": len(ranges),
