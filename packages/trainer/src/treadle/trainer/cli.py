@@ -5,6 +5,7 @@ Runs as one process, or one process per rank under a launcher::
     treadle-train sft --actor.model_name_or_path M --data.dataset d.jsonl ...
     torchrun --nproc_per_node 2 -m treadle.trainer.cli sft ...
     deepspeed --module treadle.trainer.cli sft ...
+    treadle-train ppo --actor.num_gpus_per_node 2 ...   # starts its 2 ranks itself (``ranks``)
 
 An invalid flag or a malformed data row prints one line naming it and exits with status 2.
 """
@@ -62,6 +63,15 @@ def main(argv: list[str] | None = None) -> int:
     recipe = _import_recipe(command)
     if recipe is None:
         return 2
+    from treadle.trainer import ranks  # noqa: PLC0415
+
+    try:
+        nproc = ranks.plan(cfg)
+    except ConfigError as e:
+        return _fail(command, e)
+    if nproc:
+        setup_logging()
+        return ranks.run_local_ranks(nproc, args)
     from treadle.trainer.strategy.deepspeed import shutdown_distributed  # noqa: PLC0415
 
     try:
