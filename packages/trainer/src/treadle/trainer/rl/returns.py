@@ -93,7 +93,7 @@ def process_rewards(exps: Sequence[Experience], estimator: str) -> torch.Tensor 
     if estimator not in PROCESS_REWARD_ESTIMATORS:
         raise ValueError(
             f"trajectory {given[0].traj.uid!r} (and {len(given) - 1} more in this batch) carries per-token "
-            f"rewards (Trajectory.token_rewards, from the agent's StepResult.token_rewards), which "
+            f"rewards (Trajectory.token_rewards: an agent step's \"token_rewards\"), which "
             f"--algo.advantage.estimator {estimator} cannot use: its advantages are the returns with the group "
             f"baseline taken on the episode reward only, so per-token rewards would reach them with no baseline. "
             f"Use one of {sorted(PROCESS_REWARD_ESTIMATORS)}, or fold them into the step's reward")
