@@ -8,7 +8,8 @@ and after measurements at the ends.
 
 The figures move with the resolved versions of the numerical libraries (the teacher's coin-flip
 carries leave greedy answers on a knife edge, so a change of float rounding moves the table):
-the table names the versions it was measured with, and ``results.json`` keeps them.
+the table names the versions of those it was measured with, and ``results.json`` keeps them and
+every other installed distribution's (``installed``), since any resolved package may move them.
 
 Not here: measuring anything (``demo_steps``).
 """
@@ -51,6 +52,11 @@ def versions(names: Sequence[str | tuple[str, ...]] = NUMERICAL) -> dict[str, st
         else:
             out[options[0]] = "not installed"
     return out
+
+
+def installed() -> dict[str, str]:
+    """{distribution: version} of everything installed in this environment, sorted by name."""
+    return dict(sorted((d.metadata["Name"].lower(), d.version) for d in importlib.metadata.distributions()))
 
 
 def versions_line(found: Mapping[str, str]) -> str:
@@ -107,7 +113,7 @@ def examples_table(rows: Sequence[tuple[str, ...]]) -> Any:
 
 def write_results(path: Path, *, before: EvalResult, after: EvalResult, extra: dict[str, Any]) -> dict[str, Any]:
     data = {"before": before.to_json(), "after": after.to_json(), "improved": improved(before, after),
-            "versions": versions(), **extra}
+            "versions": versions(), "installed": installed(), **extra}
     path.write_text(json.dumps(data, indent=2) + "\n")
     return data
 

@@ -1,5 +1,5 @@
 """tools/demo_report.py: the `make demo` table names the library versions it was measured with
-(its figures move with them), and results.json keeps them."""
+(its figures move with them), and results.json keeps them and every installed distribution's."""
 
 from __future__ import annotations
 
@@ -44,3 +44,4 @@ def test_results_json_keeps_the_versions(report, tmp_path):
     report.write_results(tmp_path / "results.json", before=before, after=after, extra={"seed": 0})
     data = json.loads((tmp_path / "results.json").read_text())
     assert data["versions"] == report.versions() and data["improved"] is True and data["seed"] == 0
+    assert data["installed"]["torch"] == importlib.metadata.version("torch") and "rich" in data["installed"]
