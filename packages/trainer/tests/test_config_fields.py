@@ -36,8 +36,6 @@ CONFIG_DIR = ROOT / "packages" / "trainer" / "src" / "treadle" / "trainer" / "co
 
 ALLOWED: dict[str, str] = {
     # refused by validation whenever set (REFUSED below checks each):
-    "RLTrainConfig.enable_ema": "refused (config/train.py): an EMA of the actor is not implemented yet",
-    "RLTrainConfig.ema_beta": "refused when changed (config/train.py): EMA's decay, EMA not implemented",
     "OptimizerConfig.muon": "refused when changed (config/optim.py): Muon is not implemented yet",
     "MuonConfig.momentum": "refused when changed (config/optim.py), as OptimizerConfig.muon",
     "MuonConfig.nesterov": "refused when changed (config/optim.py), as OptimizerConfig.muon",
@@ -53,8 +51,6 @@ ALLOWED: dict[str, str] = {
 """``Class.field`` (the class that declares it) -> why it may go unread outside config/."""
 
 REFUSED: list[tuple[str, list[str], str]] = [
-    ("ppo", ["--train.enable_ema"], r"--train\.enable_ema: an EMA of the actor's weights is not implemented yet"),
-    ("ppo", ["--train.ema_beta", "0.99"], r"--train\.ema_beta 0\.99: an EMA .* is not implemented yet"),
     ("sft", ["--optim", "muon"], r"--optim muon is not implemented yet: use --optim adam"),
     ("ppo", ["--actor.optim", "muon"], r"--actor\.optim muon is not implemented yet"),
     ("ppo", ["--critic.optim", "muon"], r"--critic\.optim muon is not implemented yet"),

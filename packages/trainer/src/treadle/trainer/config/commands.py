@@ -215,6 +215,7 @@ class PPOConfig:
         _check_colocation(self)
         _check_async(self)
         _check_weight_sync(self)
+        _check_ema(self)
 
     @property
     def uses_reference(self) -> bool:
@@ -346,6 +347,15 @@ def _check_estimator(cfg: PPOConfig) -> None:
         )
     if cfg.algo.dynamic_filtering_enable and n < 2:
         raise ConfigError(f"--algo.dynamic_filtering_enable needs --rollout.n_samples_per_prompt >= 2, got {n}")
+
+
+def _check_ema(cfg: PPOConfig) -> None:
+    """The actor's EMA (``models.ema``) averages whole trainable parameters, not LoRA adapters
+    (whose export merges them; OpenRLHF's EMA model has no adapters, so its parameter list no
+    longer lines up with the actor's)."""
+    if cfg.train.enable_ema and cfg.ds.lora.rank > 0:
+        raise ConfigError(f"--train.enable_ema with --ds.lora.rank {cfg.ds.lora.rank}: an EMA of LoRA adapters "
+                          "is not implemented; drop one of them")
 
 
 def _check_policy_loss(cfg: PPOConfig) -> None:

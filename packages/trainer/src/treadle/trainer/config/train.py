@@ -73,10 +73,12 @@ class RLTrainConfig(TrainConfig):
     agent_max_procs: int = 64
     """Agent programs (--agent_cmd) running at once."""
     enable_ema: bool = False
-    """An exponential moving average of the actor's weights, exported as the final model
-    (OpenRLHF's --enable_ema): not implemented yet, refused here."""
+    """Keep an exponential moving average of the actor's weights and export it (final model and
+    --ckpt.save_hf copies) instead of the actor; the engines still sample from the actor
+    (OpenRLHF's --train.enable_ema; ``models.ema``)."""
     ema_beta: float = _EMA_BETA
-    """EMA decay (only with enable_ema, so refused when changed)."""
+    """EMA decay, in [0, 1]: after each actor optimizer step ema = beta * ema + (1 - beta) * weights
+    (OpenRLHF's default 0.992); only with enable_ema."""
 
     def __post_init__(self) -> None:
         TrainConfig.__post_init__(self)
@@ -88,7 +90,8 @@ class RLTrainConfig(TrainConfig):
             raise ConfigError(f"--agent_max_procs must be >= 1, got {self.agent_max_procs}")
         if self.partial_rollout_enable and not self.async_enable:
             raise ConfigError("--partial_rollout_enable needs --async_enable")
-        if self.enable_ema or self.ema_beta != _EMA_BETA:
-            flag = "--enable_ema" if self.enable_ema else f"--ema_beta {self.ema_beta}"
-            raise ConfigError(f"{flag}: an EMA of the actor's weights is not implemented yet (the final model "
-                              "is the trained actor); drop --enable_ema / --ema_beta")
+        if not 0.0 <= self.ema_beta <= 1.0:
+            raise ConfigError(f"--ema_beta must be in [0, 1], got {self.ema_beta}")
+        if self.ema_beta != _EMA_BETA and not self.enable_ema:
+            raise ConfigError(f"--ema_beta {self.ema_beta} is the decay of --enable_ema's average, which is off: "
+                              "add --enable_ema or drop --ema_beta")

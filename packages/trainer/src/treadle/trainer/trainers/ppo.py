@@ -288,6 +288,8 @@ class PPOTrainer:
                 if not actor_frozen:
                     for name, v in actor_step(self.p.actor, mine, self.batching, loss, self.dist.world).items():
                         metrics[name].append(v)
+                    if self.p.ema is not None:  # --train.enable_ema: after each actor optimizer step
+                        self.p.ema.update()
         return {name: float(np.mean(v)) for name, v in metrics.items()}
 
     # -- checkpoints ---------------------------------------------------------------------------
@@ -310,6 +312,8 @@ class PPOTrainer:
         if latest is None:
             return TrainState()
         state = ckpt.load(self.p.actor, latest, more_engines=self._more_engines())
+        if self.p.ema is not None:  # not in checkpoints: restarts from the resumed weights
+            self.p.ema.reset()
         extra = ckpt.read_extra(latest)
         self.version = int(extra.get("version", state.global_step))
         self.kl = KLController(coef=float(extra.get("kl_coef", self.kl.coef)), target=self.kl.target,
@@ -319,10 +323,12 @@ class PPOTrainer:
         return state
 
     def export(self, out: Path) -> None:
-        """The actor in HF format (collective)."""
+        """The actor in HF format (collective); its EMA's weights with ``--train.enable_ema``."""
         from treadle.trainer.checkpoint.export import full_state_dict, save_causal_lm  # noqa: PLC0415
 
         state = full_state_dict(self.p.actor, zero_stage=self.cfg.ds.zero_stage, is_main=self.dist.is_main)
+        if self.p.ema is not None:
+            state = self.p.ema.apply(state, is_main=self.dist.is_main)
         if self.dist.is_main:
             module = self.p.actor.module
             base = module.get_base_model() if hasattr(module, "get_base_model") else module

@@ -51,6 +51,7 @@ class PPOParts:
     reward_model: Any | None  # frozen RewardModel on the device
     checkpointer: Checkpointer
     opt_steps_per_rl_step: int
+    ema: Any | None = None  # ActorEMA with --train.enable_ema
     daemon: OwnedDaemon | None = None
     sync_client: Any | None = None  # SyncRolloutClient (weights, sleep/wake)
     generator: Generator | None = None
@@ -356,6 +357,10 @@ def build_parts(cfg: PPOConfig) -> PPOParts:
                      actor=actor,
                      critic=critic, reference=reference, reward_model=reward_model,
                      checkpointer=build.checkpointer(cfg, dist), opt_steps_per_rl_step=per_step, closers=[])
+    if cfg.train.enable_ema:
+        from treadle.trainer.models.ema import ActorEMA  # noqa: PLC0415
+
+        parts.ema = ActorEMA(actor.module, beta=cfg.train.ema_beta, zero3=cfg.ds.zero_stage == 3)
     try:
         if dist.is_main:
             from treadle.trainer.rl.trajlog import TrajectoryLog  # noqa: PLC0415
