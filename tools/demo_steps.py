@@ -73,10 +73,12 @@ def free_endpoint() -> str:
 def serve_command(model: Path, endpoint: str, seed: int, gpu: bool = False) -> list[str]:
     """One vLLM engine: on CPU fp32 like the trainer (so its logprobs match), unpinned (the
     trainer and the engine take turns on the same two cores); ``gpu``: bf16 on GPU 0, beside the
-    trainer, with a third of its memory, eager (answers of 12 tokens: CUDA graphs would cost more
-    start-up than they save)."""
-    where = (["--engine.dtype", "bfloat16", "--gpu_ids", "0", "--engine.gpu_memory_utilization", "0.3",
-              "--engine.enforce_eager"] if gpu
+    trainer, eager (answers of 12 tokens: CUDA graphs would cost more start-up than they save),
+    with a fixed 2 GiB KV cache (some 150k tokens of 64-token sequences): a fixed size skips
+    vLLM's memory profiling, which other processes on the same GPU (the trainer, another run)
+    would upset, and leaves the rest of the GPU to them."""
+    where = (["--engine.dtype", "bfloat16", "--gpu_ids", "0", "--engine.gpu_memory_utilization", "0.1",
+              "--engine.kv_cache_memory_bytes", str(2 << 30), "--engine.enforce_eager"] if gpu
              else ["--engine.dtype", "float32", "--no_cpu_bind"])
     return [sys.executable, "-m", "treadle.rollout", "serve", "--model", str(model), "--engines", "1",
             "--backend", "vllm", "--endpoint", endpoint, "--engine.max_model_len", "64", "--engine.seed", str(seed),
