@@ -2,7 +2,8 @@
 ``torchrun --nproc_per_node 2`` (gloo): for ZeRO-3 (and its parameter-offloaded variant) and
 ZeRO-2, a tiny-model engine takes 3 optimizer steps (the ranks on different batches) while
 ``ActorEMA`` follows it; rank 0 records the whole trainable weights before and after every step
-(gathered: they are what the EMA must average) and the EMA's export. Rank 0 writes
+(gathered: they are what the EMA must average), the EMA's export, and the export of a fresh
+``ActorEMA`` that loaded the slices the first one saved (a checkpoint's round trip). Rank 0 writes
 ``<out>/results.pt`` ({variant: {"weights": [theta_0..theta_3], "export": {...}, "numels": ...}}).
 """
 
@@ -29,7 +30,7 @@ def full_weights(engine, names: list[str], zero3: bool) -> dict[str, torch.Tenso
     return out
 
 
-def run(model: str, stage: int, offload: bool) -> dict:
+def run(model: str, out: str, stage: int, offload: bool) -> dict:
     from transformers import AutoModelForCausalLM
 
     from treadle.trainer.checkpoint.export import full_state_dict
@@ -54,11 +55,20 @@ def run(model: str, stage: int, offload: bool) -> dict:
         ema.update()
         weights.append(full_weights(engine, ema.names, stage == 3))
     state = full_state_dict(engine, zero_stage=stage, is_main=dist.get_rank() == 0)
-    export = ema.apply(state, is_main=dist.get_rank() == 0)
+    export = ema.apply(dict(state) if state is not None else None, is_main=dist.get_rank() == 0)
+    # a checkpoint's round trip: a fresh average (the engine's weights) loads the saved slices
+    folder = Path(out) / f"ckpt_{stage}_{offload}"
+    folder.mkdir(exist_ok=True)
+    ema.save(folder, dist.get_rank())
+    dist.barrier()
+    fresh = ActorEMA(engine.module, beta=BETA, zero3=stage == 3)
+    loaded = fresh.load(folder, dist.get_rank())
+    reloaded = fresh.apply(dict(state) if state is not None else None, is_main=dist.get_rank() == 0)
     shard = sum(s.numel() for s in ema.shards)
     total = sum(w.numel() for w in weights[0].values())
     engine.destroy()
-    return {"weights": weights, "export": export, "shard_numel": shard, "total_numel": total,
+    return {"weights": weights, "export": export, "reloaded": reloaded, "loaded": loaded,
+            "shard_numel": shard, "total_numel": total,
             "shard_device": str(ema.shards[0].device), "shard_dtype": str(ema.shards[0].dtype)}
 
 
@@ -70,7 +80,7 @@ def main() -> None:
     from treadle.trainer.strategy.deepspeed import init_distributed
 
     init_distributed()
-    results = {name: run(a.model, stage, offload)
+    results = {name: run(a.model, a.out, stage, offload)
                for name, stage, offload in (("zero3", 3, False), ("zero3_offload", 3, True), ("zero2", 2, False))}
     if dist.get_rank() == 0:
         torch.save(results, Path(a.out) / "results.pt")

@@ -5,10 +5,12 @@ the actor (issue 29; ``models.ema``).
 - the flags' validation (beta's range, beta without the EMA, LoRA refused);
 - on 2 gloo ranks (``ema_scenario.py``), ZeRO-3 (with and without parameter offload) and ZeRO-2:
   the export equals ``ema_t = beta ema_{t-1} + (1 - beta) theta_t`` over the engine's real steps,
-  and each rank keeps half of it;
+  each rank keeps half of it, and a checkpoint's save / load gives it back;
 - ``treadle-train ppo`` end to end (ZeRO-3, the vLLM CPU daemon): every step's HF checkpoint
-  and the final model are the EMA of the actor's weights (read from the DeepSpeed checkpoints),
-  while the run without the flag exports the actor and trains the same.
+  and the final model are the EMA of the actor's weights (read from the DeepSpeed checkpoints), a
+  run resumed from the last checkpoint exports that EMA again (not the actor), the run without
+  the flag exports the actor and trains the same, and resumed from it with the flag (no EMA
+  slices to load) the average restarts from the actor's weights.
 """
 
 from __future__ import annotations
@@ -88,6 +90,7 @@ def test_export_is_the_average_of_the_engine_steps_and_each_rank_keeps_half(scen
     assert not torch.allclose(export[name], weights[-1][name]) and not torch.allclose(export[name], weights[0][name])
     assert r["shard_numel"] <= r["total_numel"] // 2 + len(ema)  # half of every tensor (+ padding)
     assert r["shard_dtype"] == "torch.float32"
+    assert r["loaded"] and all(torch.equal(r["reloaded"][n], export[n]) for n in ema)
 
 
 # -- end to end --------------------------------------------------------------------------------
@@ -161,9 +164,19 @@ def test_ppo_exports_the_ema_of_the_actor_and_without_the_flag_the_actor(tiny, h
     assert all(torch.equal(final[n], saved[n]) for n in names)
     far = max(names, key=lambda n: (thetas[-1][n] - thetas[0][n]).abs().max())
     assert not torch.allclose(final[far], thetas[-1][far])  # not the actor
+    # Resumed from the last checkpoint (nothing left to train), the run exports the saved average.
+    _ppo(tiny, root, tmp_path / "on", helpers, "--train.enable_ema", "--train.ema_beta", str(beta),
+         "--ckpt.load_enable", "--ckpt.output_dir", str(tmp_path / "resumed"))
+    resumed = _safetensors(tmp_path / "resumed")
+    assert all(torch.equal(resumed[n], final[n]) for n in names)
     # Without the flag: the actor itself is exported, and the EMA never changed the training.
     actor = {n: v for n, v in _actor(tmp_path / "off" / "ckpt" / "step_00000003").items() if n in start}
     final_off = _safetensors(tmp_path / "off" / "model")
     assert all(torch.equal(final_off[n], actor[n]) for n in names)
     for a, b in zip(on, off, strict=True):
         assert a["reward/mean"] == b["reward/mean"] and a["actor/policy_loss"] == pytest.approx(b["actor/policy_loss"])
+    # Resumed with the flag from a checkpoint without EMA slices: the average restarts from the actor.
+    _ppo(tiny, root, tmp_path / "off", helpers, "--train.enable_ema", "--ckpt.load_enable",
+         "--ckpt.output_dir", str(tmp_path / "off_resumed"))
+    restarted = _safetensors(tmp_path / "off_resumed")
+    assert all(torch.equal(restarted[n], actor[n]) for n in names)

@@ -5,6 +5,7 @@ Layout under ``--ckpt.path``::
     step_00000040/        one complete checkpoint (published atomically, see ``atomic``)
         ds/               DeepSpeed engine state: weights, optimizer, LR schedule (one shard per rank)
         rng_rank0.safetensors ...   each rank's torch RNG states
+        ema_rank0.safetensors ...   each rank's slices of the actor's EMA (PPO, --train.enable_ema)
         state.json        TrainState: steps done, epoch and step within it, best metric
         hf/               HF-format weights, when --ckpt.save_hf
     .tmp-step_00000048/   a save in progress (or killed): ignored, removed by the next save
@@ -97,11 +98,13 @@ class Checkpointer:
         return done[-1] if done else None
 
     def save(self, engine: Any, state: TrainState, *, write_hf: Callable[[Path], None] | None = None,
-             more_engines: dict[str, Any] | None = None, extra: dict[str, Any] | None = None) -> Path:
+             more_engines: dict[str, Any] | None = None, extra: dict[str, Any] | None = None,
+             write_more: Callable[[Path], None] | None = None) -> Path:
         """Save ``engine`` and ``state`` as ``step_<global_step>``; every rank must call it.
 
         ``more_engines``: further DeepSpeed engines by tag (PPO's critic); ``extra``: JSON-able
-        recipe state saved beside ``state.json`` (``read_extra``)."""
+        recipe state saved beside ``state.json`` (``read_extra``); ``write_more``: called on every
+        rank with the folder being written, for recipe files of its own (PPO's EMA slices)."""
         final = _step_dir(self.root, state.global_step)
         tmp = self.root / f"{TMP_PREFIX}{final.name}"
         if self.dist.is_main:
@@ -113,6 +116,8 @@ class Checkpointer:
             for tag, other in (more_engines or {}).items():
                 other.save_checkpoint(str(tmp), tag=tag, save_latest=False)
         self._save_rng(tmp)
+        if write_more is not None:
+            write_more(tmp)
         if write_hf is not None:
             write_hf(tmp / "hf")  # collective: all ranks gather, rank 0 writes
         _barrier()

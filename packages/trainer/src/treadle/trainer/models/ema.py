@@ -30,8 +30,10 @@ An export gathers the slices onto rank 0. Differences from OpenRLHF, with the re
   parameter kept its starting value; with ``modifier_rank=0`` every one moved. treadle's
   partitions are its own tensors.
 
-Not kept in resumable checkpoints: a resumed run's EMA starts again from the resumed actor's
-weights (``reset``; OpenRLHF's restarts from the starting checkpoint's). LoRA (the trainable tensors are adapters, the
+Resumable checkpoints keep each rank's slices (``save`` / ``load``), so a resumed run goes on
+averaging where it stopped (OpenRLHF saves no EMA: a resumed run's starts again from the
+starting checkpoint); resumed on another rank count or ZeRO stage, the slices no longer fit and
+the average starts again from the resumed weights (``reset``, with a warning). LoRA (the trainable tensors are adapters, the
 export merges them) is refused with it at parse time (``config.commands``); AutoTP, whose
 parameters are tensor-parallel shards, is refused for PPO altogether (``trainers.build.start``).
 """
@@ -40,6 +42,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -100,6 +103,27 @@ class ActorEMA:
         if piece.numel() == size:
             return piece
         return torch.cat([piece, piece.new_zeros(size - piece.numel())])
+
+    def save(self, folder: Path, rank: int) -> None:
+        """Write this rank's slices to ``folder/ema_rank<rank>.safetensors`` (a checkpoint's)."""
+        from safetensors.torch import save_file  # noqa: PLC0415
+
+        save_file({n: s.contiguous() for n, s in zip(self.names, self.shards, strict=True)},
+                  str(folder / f"ema_rank{rank}.safetensors"))
+
+    @torch.no_grad()
+    def load(self, folder: Path, rank: int) -> bool:
+        """Restore this rank's slices from a checkpoint's ``folder``; False (nothing changed) when
+        it has none for this rank, or slices of other shapes (another rank count or ZeRO stage)."""
+        from safetensors.torch import load_file  # noqa: PLC0415
+
+        path = folder / f"ema_rank{rank}.safetensors"
+        saved = load_file(str(path)) if path.is_file() else {}
+        if any(n not in saved or saved[n].shape != s.shape for n, s in zip(self.names, self.shards, strict=True)):
+            return False
+        for n, shard in zip(self.names, self.shards, strict=True):
+            shard.copy_(saved[n])
+        return True
 
     @torch.no_grad()
     def reset(self) -> None:

@@ -299,8 +299,10 @@ class PPOTrainer:
 
     def save(self, state: TrainState) -> Path:
         write_hf = self.export if self.cfg.ckpt.save_hf else None
+        ema = self.p.ema
         path = self.p.checkpointer.save(self.p.actor, state, write_hf=write_hf, more_engines=self._more_engines(),
-                                        extra={"version": self.version, "kl_coef": self.kl.coef})
+                                        extra={"version": self.version, "kl_coef": self.kl.coef},
+                                        write_more=None if ema is None else lambda d: ema.save(d, self.dist.rank))
         if self.dist.is_main:
             self.p.trajlog.compact(state.global_step)
             log.info("checkpoint saved", extra={"fields": {"path": str(path), "step": state.global_step}})
@@ -312,8 +314,14 @@ class PPOTrainer:
         if latest is None:
             return TrainState()
         state = ckpt.load(self.p.actor, latest, more_engines=self._more_engines())
-        if self.p.ema is not None:  # not in checkpoints: restarts from the resumed weights
-            self.p.ema.reset()
+        if self.p.ema is not None:  # restored on every rank, or restarted on every rank
+            loaded = self.p.ema.load(latest, self.dist.rank)
+            if all_reduce([float(loaded)], self.dist.device)[0] < self.dist.world:
+                if self.dist.is_main:
+                    log.warning("the checkpoint in %s holds no EMA slices of this run's shape (saved without "
+                                "--train.enable_ema, or by another rank count or ZeRO stage): the EMA starts "
+                                "again from the resumed weights", latest)
+                self.p.ema.reset()
         extra = ckpt.read_extra(latest)
         self.version = int(extra.get("version", state.global_step))
         self.kl = KLController(coef=float(extra.get("kl_coef", self.kl.coef)), target=self.kl.target,
