@@ -147,7 +147,9 @@ class ActorEMA:
         numel = math.prod(shape)
         if world == 1:
             flat = shard
-        else:
+        else:  # NCCL gathers GPU tensors only: offloaded (host) slices visit the GPU for it
+            if dist.get_backend(group) == "nccl":
+                shard = shard.to(torch.device("cuda", torch.cuda.current_device()))
             parts = [torch.empty_like(shard) for _ in range(world)]
             dist.all_gather(parts, shard, group=group)
             flat = torch.cat(parts)
