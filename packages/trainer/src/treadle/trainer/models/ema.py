@@ -16,12 +16,13 @@ host memory with ``--ds.param_offload``), so an update moves no bytes between ra
 An export gathers the slices onto rank 0. Differences from OpenRLHF, with the reasons:
 
 - OpenRLHF builds a second model (bf16) from the checkpoint: a whole copy on every GPU under
-  stages 0-2, ZeRO-3-partitioned in host memory under stage 3, and gathers both models for every
-  update. treadle keeps 4 bytes / W ranks per parameter and communicates only at export.
+  stages 0-2, ZeRO-3-partitioned in host memory under stage 3, where every update gathers it
+  (and the actor's parameters are gathered alike). treadle keeps 4 bytes / W ranks per parameter
+  and communicates only at export.
 - fp32, not the parameter dtype: in bf16 (8 bits of mantissa) an increment ``(1 - beta) * delta``
   smaller than half a unit in the last place of the weight is rounded away; with beta 0.992 that
-  is every step that changes a weight by less than about a quarter of its own size, so a bf16
-  EMA of small-learning-rate training stays where it started.
+  is every step that changes a weight by less than a quarter to a half of its own size, so a
+  bf16 EMA of small-learning-rate training stays where it started.
 - Under ZeRO-3 OpenRLHF's update writes into the gathered EMA parameters inside
   ``GatheredParameters(..., modifier_rank=None)``, whose exit re-partitions them with
   ``has_been_updated=False`` (DeepSpeed 0.19.8, ``partition_parameters.py``): the partitions keep
@@ -33,9 +34,10 @@ An export gathers the slices onto rank 0. Differences from OpenRLHF, with the re
 Resumable checkpoints keep each rank's slices (``save`` / ``load``), so a resumed run goes on
 averaging where it stopped (OpenRLHF saves no EMA: a resumed run's starts again from the
 starting checkpoint); resumed on another rank count or ZeRO stage, the slices no longer fit and
-the average starts again from the resumed weights (``reset``, with a warning). LoRA (the trainable tensors are adapters, the
-export merges them) is refused with it at parse time (``config.commands``); AutoTP, whose
-parameters are tensor-parallel shards, is refused for PPO altogether (``trainers.build.start``).
+the average starts again from the resumed weights (``reset``, with a warning). LoRA (the
+trainable tensors are adapters, the export merges them) is refused with it at parse time
+(``config.commands``); AutoTP, whose parameters are tensor-parallel shards, is refused for PPO
+altogether (``trainers.build.start``). PPO family only: OpenRLHF's SFT, RM and DPO have no EMA.
 """
 
 from __future__ import annotations
