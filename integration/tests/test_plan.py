@@ -88,15 +88,31 @@ def test_rollout_flags_are_derived_from_the_ppo_flags():
     assert args.count("--backend") == 1
 
 
+def _without(args: list[str], flag: str) -> list[str]:
+    i = args.index(flag)
+    return args[:i] + args[i + 2:]
+
+
 def test_trainer_gets_the_daemons_addresses_and_torchrun_for_ranks():
-    plan = plan_of("--trainer.ranks", "2", "--", "rollout", "--", "rewards", "--functions", "math", "--", "ppo", *PPO)
+    ppo = _without(PPO, "--actor.num_gpus_per_node")
+    plan = plan_of("--trainer.ranks", "2", "--", "rollout", "--", "rewards", "--functions", "math", "--", "ppo", *ppo)
     addresses = Addresses(rollout="tcp://127.0.0.1:7001", rewards="tcp://127.0.0.1:7002")
     argv = trainer_argv(plan.cfg, addresses, python="py")
     assert argv[:6] == ["py", "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m"]
     assert argv[6:8] == ["treadle.trainer.cli", "ppo"]
+    # the trainer's own rank count (default 8, ranks it would start itself) follows --trainer.ranks
+    assert flag_value(argv[8:], "--actor.num_gpus_per_node") == "2"
+    assert plan.trainer_cfg.actor.num_gpus_per_node == 2
     assert flag_value(argv[8:], "--vllm.endpoint") == "tcp://127.0.0.1:7001"
     assert flag_value(argv[8:], "--reward.remote_url") == "tcp://127.0.0.1:7002"
     assert plan.trainer_cfg.reward.remote_url.startswith("tcp://")  # checked with the wiring in place
+
+
+def test_one_launched_rank_pins_the_trainers_rank_count_and_a_different_one_is_refused():
+    plan = plan_of("--", "ppo", *_without(PPO, "--actor.num_gpus_per_node"), *RULE)
+    assert flag_value(trainer_argv(plan.cfg, Addresses(), python="py")[4:], "--actor.num_gpus_per_node") == "1"
+    with pytest.raises(ConfigError, match=r"--actor.num_gpus_per_node 1 but --trainer.ranks 2"):
+        plan_of("--trainer.ranks", "2", "--", "ppo", *PPO, *RULE)
 
 
 @pytest.mark.parametrize("section, flag", [("rollout", "--vllm.endpoint"), ("rewards", "--reward.remote_url")])
@@ -141,7 +157,8 @@ def test_a_fixed_address_in_a_section_is_used_as_given():
 
 def test_bundles_colocate_the_rollout_daemon_with_the_trainer():
     apart = plan_of("--backend", "ray", "--trainer.ranks", "2", "--trainer.num_gpus_per_rank", "1",
-                    "--rollout.num_gpus", "2", "--", "rollout", "--", "ppo", *PPO, *RULE)
+                    "--rollout.num_gpus", "2", "--", "rollout", "--", "ppo", *_without(PPO, "--actor.num_gpus_per_node"),
+                    *RULE)
     bundles, index, need = bundles_of(apart)
     assert bundles == [{"CPU": 2.0, "GPU": 2.0}, {"CPU": 1.0, "GPU": 2.0}]
     assert index == {"trainer": 0, "rollout": 1}

@@ -234,6 +234,18 @@ def _wired(cfg: LaunchConfig) -> dict[str, str]:
     return wired
 
 
+_RANKS_FLAG = "--actor.num_gpus_per_node"
+
+
+def _ranks_flag(cfg: LaunchConfig) -> list[str]:
+    """``-- ppo`` without ``--actor.num_gpus_per_node``: the flag set to ``--trainer.ranks`` (its
+    default, 8, would have the trainer start ranks of its own beside the launcher's)."""
+    t = cfg.trainer
+    if t.command != "ppo" or flag_value(list(t.args), _RANKS_FLAG) is not None:
+        return []
+    return [_RANKS_FLAG, str(t.ranks)]
+
+
 def trainer_config(cfg: LaunchConfig) -> Any:
     """The trainer section parsed with treadle-train's own config (wired flags as placeholders)."""
     command = cfg.trainer.command
@@ -243,7 +255,11 @@ def trainer_config(cfg: LaunchConfig) -> Any:
         raise ConfigError(f"`-- {command}` trains without daemons; `-- {' / -- '.join(cfg.daemons)}` serve ppo runs")
     from treadle.trainer.config import parse_command  # noqa: PLC0415  (no torch)
 
-    args = list(cfg.trainer.args)
+    args = [*cfg.trainer.args, *_ranks_flag(cfg)]
+    given = flag_value(args, _RANKS_FLAG)
+    if command == "ppo" and given is not None and given != str(cfg.trainer.ranks):
+        raise ConfigError(f"`-- ppo` {_RANKS_FLAG} {given} but --trainer.ranks {cfg.trainer.ranks}: the launcher starts "
+                          f"--trainer.ranks ranks; give the same number to both (or only --trainer.ranks)")
     for flag, daemon in _wired(cfg).items():
         if flag_value(args, flag) is not None:
             raise ConfigError(f"`-- ppo` {flag}: the launched {daemon} daemon provides it; drop the flag "
@@ -337,7 +353,7 @@ def trainer_argv(cfg: LaunchConfig, addresses: Addresses, python: str = sys.exec
     """The trainer's full command: ``python -m treadle.trainer.cli CMD ...`` (under torchrun for ranks > 1)."""
     t = cfg.trainer
     assert t.command is not None
-    args = list(t.args)
+    args = [*t.args, *_ranks_flag(cfg)]
     for flag, daemon in _wired(cfg).items():
         args += [flag, getattr(addresses, daemon)]
     head = [python]
