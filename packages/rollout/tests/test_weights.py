@@ -14,6 +14,7 @@ from treadle.rollout.engine.weights import (
     WeightMismatch,
     WeightSpec,
     canary_error,
+    canary_gap,
     model_eos_ids,
     spec_from_checkpoint,
 )
@@ -65,6 +66,14 @@ def test_canary_error():
     assert "position 1" in canary_error(e, e + np.array([0, 0.5, 0]), 1e-3)
     assert canary_error(e, np.array([-1.0, np.nan, -3.0]), 1e-3) is not None
     assert "2 prompt logprobs" in canary_error(e, e[:2], 1e-3)
+
+
+def test_canary_gap_is_the_largest_difference_and_inf_when_it_cannot_be_compared():
+    e = np.array([-1.0, -2.0, -3.0])
+    assert canary_gap(e, e + np.array([0.0, 0.25, -0.5])) == 0.5
+    assert canary_gap(e, e) == 0.0 and canary_gap([], []) == 0.0
+    assert canary_gap(e, e[:2]) == float("inf")
+    assert canary_gap(e, np.array([-1.0, np.nan, -3.0])) == float("inf")
 
 
 def test_a_vllm_worker_loads_every_received_tensor_by_name_but_the_skipped_ones():

@@ -633,6 +633,23 @@ def test_agent_program_and_agent_file_are_one_or_the_other():
         parse_ppo([*base, "--train.agent_cmd", "python a.py", "--reward.remote_url", "r.py"])
 
 
+def test_the_sync_canary_is_on_by_default_sized_by_its_flag_and_checked(tokenizer):
+    """Every sync's canary: 16 tokens of a fixed text unless --vllm.canary_tokens says otherwise
+    (0: none); bad sizes and tolerances are refused at parse time."""
+    from treadle.trainer.trainers.ppo_build import canary_ids
+
+    cfg = parse_ppo(ppo_argv())
+    assert cfg.vllm.canary_tokens == 16 and cfg.vllm.canary_tolerance is None
+    ids = canary_ids(tokenizer, 16)
+    assert len(ids) == 16 and len(set(ids)) > 4 and all(0 <= i < len(tokenizer) for i in ids)
+    assert canary_ids(tokenizer, 16) == ids and canary_ids(tokenizer, 400)[:16] == ids  # fixed, repeated to size
+    assert canary_ids(tokenizer, 0) == ()
+    with pytest.raises(ConfigError, match="--vllm.canary_tokens must be 0 .no canary. or >= 2, got 1"):
+        parse_ppo([*ppo_argv(), "--vllm.canary_tokens", "1"])
+    with pytest.raises(ConfigError, match="--vllm.canary_tolerance must be > 0 .or unset., got -1"):
+        parse_ppo([*ppo_argv(), "--vllm.canary_tolerance", "-1"])
+
+
 def test_the_weight_sync_goes_where_it_can_work():
     """Unset, the backend is picked per placement (gloo on CPU and for colocated engines, nccl
     otherwise); a backend given is used or refused, never replaced; cuda_ipc needs CUDA."""

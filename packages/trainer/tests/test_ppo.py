@@ -109,6 +109,8 @@ def test_first_step_exact_and_run_artifacts(tiny, task, daemon, helpers, tmp_pat
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert rows[0]["kl"] == 0.0  # the policy is the reference, computed the same way
     assert all(r["logprob_gap/max"] <= 1e-3 for r in rows)  # engines sample from the trainer's weights, every step
+    # and every sync's canary (on by default: 16 tokens scored by the engine) came back within fp32's 1e-3
+    assert all(0.0 <= r["sync/canary_gap"] <= 1e-3 for r in rows)
     assert all(r["is/kept_frac"] == 1.0 for r in rows)  # so IcePop keeps every token
     assert rows[-1]["kl"] > 0.0  # after an update (the first has lr 0: warm-up) the policy moved
     assert rows[2]["version"] == rows[0]["version"] + 2  # one new weight version per step

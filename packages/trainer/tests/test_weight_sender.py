@@ -246,6 +246,7 @@ def test_lora_arrives_as_the_merged_weight(daemon, model_b):
     assert report.updated == ["e0"] and report.failed == [] and report.buckets > 1
     assert list(daemon.client.weight_digest().values()) == [scenarios.hf_digest(merged, True)]
     assert gap(daemon, peft_model) <= TOL
+    assert report.canary_gap is not None and report.canary_gap <= TOL
     assert daemon.client.health()["version"] == v
 
 
@@ -262,6 +263,7 @@ def test_fp32_trainer_to_bf16_engine_and_a_failed_canary(bf16_daemon, model_b):
         report = s.sync(v + 1)
     health = c.health()
     assert report.updated == ["e0"] and health["status"] == "ok" and health["version"] == v + 1
+    assert 1e-7 < report.canary_gap < 0.1  # the engine's measured gap comes back with the report
     assert report.bytes == sum(t.numel() * 2 for t in checkpoint_state(model).values())
     as_bf16 = {k: t.to(torch.bfloat16) for k, t in checkpoint_state(model).items()}
     assert list(c.weight_digest().values()) == [scenarios.hf_digest(as_bf16, True)]

@@ -195,11 +195,12 @@ class WeightCoordinator:
                 received: float) -> dict[str, Any]:
         """Book the engines' answers: quarantine the canary failures, move the pool to the version
         the others loaded, keep the weights; returns the report ``{"version", "updated": [ids],
-        "failed": {id: why}, "loads": {id: stamps}}`` (stamps: ``received``, when the update
-        reached the front end, then the engine's ``Engine.last_load``). Raises
+        "failed": {id: why}, "loads": {id: stamps}, "canary": {id: gap}}`` (stamps: ``received``, when
+        the update reached the front end, then the engine's ``Engine.last_load``; gap: the engine's
+        canary max |logprob difference|, for the engines that scored one). Raises
         ``EnginesQuarantined`` when a canary failed anywhere, else the first failure when no
         engine loaded it."""
-        updated, loads, quarantined, failed = [], {}, {}, {}
+        updated, loads, quarantined, failed, canary = [], {}, {}, {}, {}
         for h, r in zip(targets, replies, strict=True):
             if isinstance(r, CanaryMismatch):
                 quarantined[h.engine_id] = r.message
@@ -210,6 +211,8 @@ class WeightCoordinator:
             else:
                 updated.append(h)
                 loads[h.engine_id] = {"received": received, **(r.args.get("load") or {})}
+                if r.args.get("canary") is not None:
+                    canary[h.engine_id] = float(r.args["canary"])
         if updated:
             self.pool.set_version(update.version)
             for h in updated:
@@ -224,7 +227,7 @@ class WeightCoordinator:
         if not updated:
             raise next(iter(failed.values()))
         return {"version": update.version, "updated": [h.engine_id for h in updated],
-                "failed": {k: str(v) for k, v in failed.items()}, "loads": loads}
+                "failed": {k: str(v) for k, v in failed.items()}, "loads": loads, "canary": canary}
 
     # ------------------------------------------------------------------ the group
 

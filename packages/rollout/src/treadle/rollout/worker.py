@@ -109,7 +109,8 @@ class WorkerService:
 
     async def update_weights(self, msg: Any, ctx: Any, mode: str = "wait") -> Any:
         v = await self.engine.update_weights(_expect(msg, "InlineWeights", "IpcWeights"), mode=mode)
-        return _control("update_weights", version=v, load=dict(self.engine.last_load))
+        return _control("update_weights", version=v, load=dict(self.engine.last_load),
+                        canary=self.engine.last_canary_gap)
 
     async def update_weights_abort(self, msg: Any, ctx: Any) -> Any:
         return await self.update_weights(msg, ctx, mode="abort")
@@ -119,7 +120,8 @@ class WorkerService:
 
     async def receive_weights(self, msg: Any, ctx: Any, mode: str = "wait") -> Any:
         v = await self.engine.receive_weights(_expect(msg, "CollectiveWeights"), mode=mode)
-        return _control("receive_weights", version=v, load=dict(self.engine.last_load))
+        return _control("receive_weights", version=v, load=dict(self.engine.last_load),
+                        canary=self.engine.last_canary_gap)
 
     async def receive_weights_abort(self, msg: Any, ctx: Any) -> Any:
         return await self.receive_weights(msg, ctx, mode="abort")

@@ -58,7 +58,7 @@ from treadle.common.records import (
     WeightUpdate,
 )
 from treadle.rollout.engine.state import RATE_WINDOW_S, EngineStats, Rate, SleepState
-from treadle.rollout.engine.weights import WeightSpec, as_tensor, canary_error
+from treadle.rollout.engine.weights import WeightSpec, as_tensor, canary_error, canary_gap
 
 log = get_logger(__name__)
 PauseMode = Literal["wait", "abort"]
@@ -84,6 +84,7 @@ class Engine(ABC):
         # a host): called (the update reached the engine), loading (drained and paused: the load
         # starts), loaded, done (canary checked); the daemon hands them to the sender
         self.last_load: dict[str, float] = {}
+        self.last_canary_gap: float | None = None  # the last update's canary max |logprob gap|; None: none sent
         self._checked: tuple[Any, ...] = ()  # the last update header ``check_header`` passed
         self._sleep: SleepState | None = None
         self._group: WeightGroupSpec | None = None
@@ -360,9 +361,11 @@ class Engine(ABC):
 
     async def _verify(self, update: WeightUpdate) -> None:
         """Score the canary (the gate is still closed, so nothing else runs on new weights)."""
+        self.last_canary_gap = None
         if update.canary_token_ids is not None and update.canary_logprobs is not None:
             ids = np.asarray(update.canary_token_ids, dtype=np.int64)
             got = await self._prompt_logprobs(ids)
+            self.last_canary_gap = canary_gap(update.canary_logprobs, got)
             err = canary_error(update.canary_logprobs, got, update.canary_tolerance)
             if err is not None:
                 self._broken = f"weight version {update.version} failed its canary: {err}"

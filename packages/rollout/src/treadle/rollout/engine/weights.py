@@ -168,6 +168,21 @@ def as_tensor(a: Any) -> torch.Tensor:
         return torch.from_numpy(a)
 
 
+def canary_gap(expected: Any, got: Any) -> float:
+    """``max |expected - got|`` over the canary's prompt logprobs (0.0 for none); inf when the
+    lengths differ or a value is NaN (pure)."""
+    import numpy as np
+
+    e = np.asarray(expected, dtype=np.float64).reshape(-1)
+    g = np.asarray(got, dtype=np.float64).reshape(-1)
+    if e.shape != g.shape:
+        return float("inf")
+    if e.size == 0:
+        return 0.0
+    diff = np.abs(e - g)
+    return float("inf") if np.isnan(diff).any() else float(diff.max())
+
+
 def canary_error(expected: Any, got: Any, tolerance: float) -> str | None:
     """None when ``max |expected - got| <= tolerance`` (same length), else what differs."""
     import numpy as np

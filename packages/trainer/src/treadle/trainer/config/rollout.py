@@ -114,6 +114,14 @@ class VLLMConfig:
     curve_dir: str = ""
     """CURVE client keys (client.key_secret + server.key, `treadle-keys generate`) for --vllm.endpoint;
     needed when that daemon is not on loopback."""
+    canary_tokens: int = 16
+    """After each weight sync every engine scores a fixed prompt of this many tokens and must
+    reproduce the trainer's logprobs for it (else it is quarantined and the sync fails, naming the
+    gap); the largest gap is ``sync/canary_gap`` in the metrics. 0: no canary."""
+    canary_tolerance: float | None = None
+    """Largest allowed canary gap (nats); None: 1e-3 with fp32 weights (same math on both sides),
+    0.5 with bf16 / fp16 (the engine's kernels differ from the trainer's by a few 1e-2; a wrong
+    weight moves logprobs by whole nats)."""
     sync_host: str = "127.0.0.1"
     """Address of this host that the engines reach to join the weight-broadcast group (rank 0
     hosts its TCPStore there while they join); a daemon off loopback needs one of this host's
@@ -126,6 +134,10 @@ class VLLMConfig:
             raise ConfigError(f"--tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.bucket_mb < 0:
             raise ConfigError(f"--bucket_mb must be >= 0, got {self.bucket_mb}")
+        if self.canary_tokens < 0 or self.canary_tokens == 1:
+            raise ConfigError(f"--canary_tokens must be 0 (no canary) or >= 2, got {self.canary_tokens}")
+        if self.canary_tolerance is not None and not self.canary_tolerance > 0:
+            raise ConfigError(f"--canary_tolerance must be > 0 (or unset), got {self.canary_tolerance}")
         if self.endpoint is not None and not self.endpoint.startswith(("tcp://", "ipc://")):
             raise ConfigError(f"--endpoint must be tcp://host:port or ipc://path, got {self.endpoint!r}")
         if self.endpoint is not None:

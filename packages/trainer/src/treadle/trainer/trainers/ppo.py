@@ -363,7 +363,8 @@ class PPOTrainer:
         self.version = version
         if self.dist.is_main and self.cfg.train.async_enable:
             self.p.generator.publish(version)
-        return {"sync/seconds": report.seconds, "sync/bytes": float(report.bytes)}
+        canary = {} if report.canary_gap is None else {"sync/canary_gap": report.canary_gap}
+        return {"sync/seconds": report.seconds, "sync/bytes": float(report.bytes), **canary}
 
     def _first_sync(self, state: TrainState) -> None:
         """Bring the engines to the trainer's weights before the first rollout.

@@ -298,11 +298,32 @@ def sender(parts: PPOParts) -> Any:
 
     cfg = parts.cfg
     transport, backend = sync_route(cfg, cuda=torch.cuda.is_available())
+    tolerance = cfg.vllm.canary_tolerance or (1e-3 if cfg.ds.param_dtype == "fp32" else 0.5)
     conf = SenderConfig(transport=transport, backend=backend, bucket_bytes=cfg.vllm.bucket_mb << 20,
                         dtype=DTYPES[cfg.ds.param_dtype], mode="abort" if cfg.train.partial_rollout_enable else "wait",
-                        host=cfg.vllm.sync_host)
+                        host=cfg.vllm.sync_host, canary_token_ids=canary_ids(parts.tokenizer, cfg.vllm.canary_tokens),
+                        canary_tolerance=tolerance)
     return WeightSender(parts.actor, config=conf, client=parts.sync_client, zero_stage=cfg.ds.zero_stage,
                         is_main=parts.dist.is_main)
+
+
+CANARY_TEXT = ("The weights of a policy reach its rollout engines after every step; a canary checks "
+               "that they arrived whole. 0 1 2 3 4 5 6 7 8 9 + - = ( ) [ ] { } < > ! ? . , ; :")
+
+
+def canary_ids(tokenizer: Any, n: int) -> tuple[int, ...]:
+    """The first ``n`` token ids of ``CANARY_TEXT`` (repeated as needed) in the actor's tokenizer:
+    the canary prompt the engines score after each sync; () for ``n`` 0 (pure but for the tokenizer)."""
+    if n == 0:
+        return ()
+    ids: list[int] = []
+    while len(ids) < n:
+        more = tokenizer(CANARY_TEXT, add_special_tokens=False)["input_ids"]
+        if not more:
+            raise ConfigError("--vllm.canary_tokens: the actor's tokenizer encodes the canary text to no tokens; "
+                              "set --vllm.canary_tokens 0")
+        ids += more
+    return tuple(int(i) for i in ids[:n])
 
 
 def sync_route(cfg: PPOConfig, *, cuda: bool) -> tuple[str, str]:

@@ -98,6 +98,9 @@ class SyncReport:
     # rank 0: per engine that loaded it, seconds from the start of ``sync`` to each stamp of its
     # load (``Engine.last_load``: called, loading, loaded, done); wall clocks of two processes
     engine_seconds: dict[str, dict[str, float]] = field(default_factory=dict)
+    # rank 0: the largest canary gap (max |logprob difference|, engine vs sender) over the engines
+    # that loaded it; None: no canary sent (a gap over the tolerance fails the sync instead)
+    canary_gap: float | None = None
 
 
 class WeightSender:
@@ -142,13 +145,14 @@ class WeightSender:
                             gather_seconds=sent.gather_seconds, send_seconds=sent.send_seconds,
                             updated=list(answer.get("updated", [])), failed=sorted(answer.get("failed", {})),
                             engine_seconds={engine: {k: round(t - wall, 6) for k, t in stamps.items()}
-                                            for engine, stamps in answer.get("loads", {}).items()})
+                                            for engine, stamps in answer.get("loads", {}).items()},
+                            canary_gap=max(answer["canary"].values()) if answer.get("canary") else None)
         if self._rank.main:
             log.info("weights sent", extra={"fields": {
                 "version": version, "tensors": report.tensors, "mb": round(report.bytes / 1e6, 1),
                 "buckets": report.buckets, "s": round(report.seconds, 3), "gather_s": round(report.gather_seconds, 3),
                 "send_s": round(report.send_seconds, 3), "updated": report.updated, "failed": report.failed,
-                "engine_s": report.engine_seconds}})
+                "engine_s": report.engine_seconds, "canary_gap": report.canary_gap}})
         return report
 
     def release(self) -> None:
