@@ -34,6 +34,10 @@ and treadle's ``memory/*`` metrics go into the JSON.
     python3 tools/bench/bench_grpo_vs_trl.py --device cuda --preset qwen0.5b --prompts-per-step 32 \
         --group-size 8 --max-new-tokens 256 --steps 5 --json $OUT/grpo_vs_trl.json
 
+``--staleness 1`` runs treadle asynchronously (``--train.async_enable``, one batch ahead), the bench
+starting the rollout daemon on the GPU itself (an engine that generates while the trainer trains
+cannot sleep, and ``--train.colocate_all`` with async puts engines on GPUs of their own).
+
 TRL is a benchmark-only dependency: ``pip install -r tools/bench/requirements-bench.txt``.
 Not a pytest benchmark (each side is minutes of CPU); not a check of learning (random weights).
 """
@@ -117,6 +121,12 @@ class Args:
     """training and scoring micro-batch of both sides (samples; TRL: per-device batch with gradient accumulation up to the step); 0: the whole step's batch."""
     seed: int = 0
     """Data and training seed."""
+    staleness: int = 0
+    """treadle only. 0: synchronous (strictly on-policy: generate, then train). N >= 1: asynchronous,
+    ``--train.async_enable --train.async_queue_size N`` (the next batches generate while this one
+    trains, at most N weight versions behind). On one GPU the engine cannot sleep then, so the bench
+    starts the rollout daemon the trainer would start (``treadle.trainer.daemon``, same flags) on
+    the trainer's GPU itself and passes ``--vllm.endpoint``; weights still go over CUDA IPC."""
     treadle_extra: tuple[str, ...] = ()
     """Extra flags appended to the treadle command."""
     treadle_timeout_s: float = 1800.0
@@ -178,9 +188,12 @@ def treadle_argv(args: Args, f: Files, out: Path) -> list[str]:
     micro = str(args.micro_batch or batch)
     if args.device == "cuda":  # the engine on the trainer's GPU, weights over CUDA IPC
         where = ["--vllm.gpu_memory_utilization", str(args.gpu_memory_utilization),
-                 "--vllm.sync_backend", "cuda_ipc", "--ds.param_dtype", "bf16", "--train.colocate_all"]
+                 "--vllm.sync_backend", "cuda_ipc", "--ds.param_dtype", "bf16"]
+        where += ["--train.colocate_all"] if not args.staleness else []  # async: the bench's daemon on GPU 0
     else:
         where = ["--vllm.gpu_memory_utilization", "0.1", "--ds.param_dtype", args.dtype]
+    if args.staleness:
+        where += ["--train.async_enable", "--train.async_queue_size", str(args.staleness)]
     return [
         sys.executable, "-m", "treadle.trainer.cli", "ppo",
         "--actor.model_name_or_path", str(f.model),
@@ -200,6 +213,25 @@ def treadle_argv(args: Args, f: Files, out: Path) -> list[str]:
     ]
 
 
+def own_daemon(args: Args, cmd: list[str]):
+    """--staleness: the rollout daemon ``treadle-train ppo`` would start for ``cmd`` (its
+    ``daemon_spec``), started here on GPU 0 (``--device cuda``; on CPU its engines' own cores) and
+    ready; the caller stops it."""
+    import dataclasses
+
+    from treadle.rollout.client import SyncRolloutClient
+    from treadle.trainer.config import parse_command
+    from treadle.trainer.daemon import OwnedDaemon, daemon_spec
+
+    spec = daemon_spec(parse_command("ppo", cmd[cmd.index("ppo") + 1:]))
+    if args.device == "cuda":
+        spec = dataclasses.replace(spec, gpu_ids=(0,))
+    daemon = OwnedDaemon(spec)
+    with SyncRolloutClient(daemon.endpoint) as client:
+        print(f"treadle: its rollout daemon ready in {daemon.wait_ready(client):.0f} s", flush=True)
+    return daemon
+
+
 def run_treadle(args: Args, f: Files, tag: str) -> dict[str, list[float]]:
     """One treadle run; per-step phase times (seconds) after warm-up, from metrics.jsonl."""
     from treadle.common.env import child_env
@@ -212,11 +244,18 @@ def run_treadle(args: Args, f: Files, tag: str) -> dict[str, list[float]]:
                      "VLLM_CACHE_ROOT": str(ROOT / ".cache" / "vllm"), "HF_HOME": str(ROOT / ".cache" / "hf"),
                      "HF_HUB_OFFLINE": "1", "RAY_AUTH_MODE": "disabled", "OMP_NUM_THREADS": str(args.threads)})
     cmd = treadle_argv(args, f, out)
+    daemon = own_daemon(args, cmd) if args.staleness else None
+    if daemon is not None:
+        cmd += ["--vllm.endpoint", daemon.endpoint]
     print("treadle:", " ".join(cmd), flush=True)
     t0 = time.perf_counter()
-    with log.open("w") as fh:
-        rc = subprocess.run(cmd, cwd=out, env=env, stdout=fh, stderr=subprocess.STDOUT,
-                            timeout=args.treadle_timeout_s, check=False).returncode
+    try:
+        with log.open("w") as fh:
+            rc = subprocess.run(cmd, cwd=out, env=env, stdout=fh, stderr=subprocess.STDOUT,
+                                timeout=args.treadle_timeout_s, check=False).returncode
+    finally:
+        if daemon is not None:
+            daemon.stop()
     if rc != 0:
         tail = log.read_text().splitlines()[-30:]
         raise RuntimeError(f"treadle-train exited {rc} after {time.perf_counter() - t0:.0f} s; "
@@ -387,7 +426,9 @@ def report(args: Args, runs: dict[str, list[dict[str, list[float]]]]) -> dict:
     summary = summarize(runs)
     print(f"\nGRPO, `{args.model or args.preset}` model on {args.device}, {args.prompts_per_step} prompts x {args.group_size} samples, "
           f"{args.max_new_tokens} new tokens, {args.dtype}, medians after {args.warmup_steps} warm-up step(s); "
-          f"TRL in-process with torch threads = {args.threads}")
+          f"TRL in-process with torch threads = {args.threads}; treadle "
+          + (f"asynchronous, staleness bound {args.staleness} (sync: the wait for the batch in flight)"
+             if args.staleness else "synchronous"))
     print("| side | step s | phases (s) | steps | per-round step medians |\n|---|---|---|---|---|")
     for side, s in summary.items():
         phases = ", ".join(f"{k} {v:.3f}" for k, v in s.items() if k not in ("step", "n_steps"))
