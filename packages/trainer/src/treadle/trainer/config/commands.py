@@ -35,7 +35,7 @@ from treadle.trainer.config.model import (
     RMModelConfig,
     SFTModelConfig,
 )
-from treadle.trainer.config.optim import AdamConfig, OptimizerConfig
+from treadle.trainer.config.optim import AdamConfig, OptimizerConfig, check_muon
 from treadle.trainer.config.rollout import RolloutConfig, VLLMConfig
 from treadle.trainer.config.train import RLTrainConfig, TrainConfig
 
@@ -48,6 +48,7 @@ def _require(value: object, flag: str) -> None:
 def _check_supervised(cfg: SFTConfig | RMConfig | DPOConfig | KTOConfig) -> None:
     """Checks every single-model recipe shares: required paths, batching, evaluation."""
     OptimizerConfig.__post_init__(cfg)
+    check_muon(cfg, cfg.ds)
     _require(cfg.actor.model_name_or_path, "--actor.model_name_or_path")
     _require(cfg.data.dataset, "--data.dataset")
     if cfg.train.dynamic_batch_enable and not cfg.ds.packing_samples:
@@ -216,6 +217,8 @@ class PPOConfig:
         _check_async(self)
         _check_weight_sync(self)
         _check_ema(self)
+        check_muon(self.actor, self.ds, "actor.")
+        check_muon(self.critic, self.ds, "critic.")
 
     @property
     def uses_reference(self) -> bool:

@@ -2,7 +2,7 @@
 
 ``ds_config`` turns ``DeepSpeedConfig`` + ``OptimizerConfig`` + the batch plan into DeepSpeed's
 JSON dict (pure, testable without DeepSpeed). ``build_engine`` adds the optimizer (torch AdamW,
-or DeepSpeed's CPU Adam when optimizer states are offloaded) and the learning-rate schedule and
+or DeepSpeed's CPU Adam when optimizer states are offloaded; Muon: ``strategy.muon``) and the learning-rate schedule and
 calls ``deepspeed.initialize``. ZeRO stages 0-3, parameter / optimizer offload, bf16 / fp16 /
 fp32, clipping, AutoTP (``tensor_parallel.autotp_size``: DeepSpeed shards the model inside
 ``initialize``) and deepcompile (``compile.deepcompile`` + ``engine.compile()``; CUDA only) are
@@ -156,6 +156,14 @@ def ds_config(ds: DeepSpeedConfig, optim: OptimizerConfig | None, *, micro_batch
         "bf16": {"enabled": ds.param_dtype == "bf16"},
         "fp16": {"enabled": ds.param_dtype == "fp16", "initial_scale_power": 16},
     }
+    if optim is not None and optim.optim == "muon":
+        # DeepSpeed's ZeRO-3 refuses Muon with reduce-scatter (Newton-Schulz needs whole gradients),
+        # and ZeRO-Offload refuses a client optimizer other than its CPU Adam unless told it is
+        # meant: Muon's AdamW half is that CPU Adam (strategy.muon).
+        if ds.zero_stage == 3:
+            cfg["zero_optimization"]["reduce_scatter"] = False
+        if ds.adam_offload:
+            cfg["zero_force_ds_cpu_optimizer"] = False
     if ds.grad_accum_dtype is not None:
         cfg["data_types"] = {"grad_accum_dtype": ds.grad_accum_dtype}
     if ds.tensor_parallel_size > 1:
@@ -175,8 +183,12 @@ def build_optimizer(model: torch.nn.Module, optim: OptimizerConfig, *, offload: 
     """AdamW over the trainable parameters; biases and norm weights (1-D) get no weight decay.
     ``offload``: DeepSpeed's CPU Adam (--ds.adam_offload). ``movable`` (--ds.enable_sleep on a
     GPU): DeepSpeed's FusedAdam, the only optimizer ZeRO-3's ``offload_states`` moves (it asserts
-    so; torch's fused AdamW failed there on an H200 at the first offload)."""
-    assert optim.optim == "adam", "OptimizerConfig refuses every other optimizer before anything loads"
+    so; torch's fused AdamW failed there on an H200 at the first offload). ``--optim muon``:
+    ``strategy.muon.build_muon`` (``movable`` is refused with it at parse time)."""
+    if optim.optim == "muon":
+        from treadle.trainer.strategy.muon import build_muon  # noqa: PLC0415
+
+        return build_muon(model, optim, offload=offload)
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": optim.adam.weight_decay},
               {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
