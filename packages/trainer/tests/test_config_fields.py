@@ -60,6 +60,7 @@ REFUSED: list[tuple[str, list[str], str]] = [
 BASE = {  # the smallest valid command line of each command
     "sft": ["--actor.model_name_or_path", "m", "--data.dataset", "d"],
     "rm": ["--actor.model_name_or_path", "m", "--data.dataset", "d"],
+    "prm": ["--actor.model_name_or_path", "m", "--data.dataset", "d"],
     "dpo": ["--actor.model_name_or_path", "m", "--data.dataset", "d"],
     "kto": ["--actor.model_name_or_path", "m", "--data.dataset", "d"],
     "ppo": ["--actor.model_name_or_path", "m", "--data.prompt_dataset", "p.jsonl", "--reward.remote_url", "r.py",

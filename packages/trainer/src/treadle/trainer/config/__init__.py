@@ -1,13 +1,13 @@
 """Typed configuration of the training commands and their command lines (no torch, no deepspeed).
 
-``parse_sft(argv)``, ``parse_rm(argv)``, ``parse_dpo(argv)``, ``parse_kto(argv)`` and
-``parse_ppo(argv)`` return a validated, frozen ``SFTConfig`` / ``RMConfig`` / ``DPOConfig`` /
+``parse_sft(argv)``, ``parse_rm(argv)``, ``parse_prm(argv)``, ``parse_dpo(argv)``, ``parse_kto(argv)`` and
+``parse_ppo(argv)`` return a validated, frozen ``SFTConfig`` / ``RMConfig`` / ``PRMConfig`` / ``DPOConfig`` /
 ``KTOConfig`` / ``PPOConfig`` from OpenRLHF-style dotted flags
 (``--actor.model_name_or_path X --ds.zero_stage 3 --train.colocate_all``), a ``--config``
 YAML file of defaults, or both. Groups live in one module per concern: ``model`` (actor,
 critic, ref, reward), ``optim``, ``deepspeed`` (``ds``), ``data``, ``train``, ``rollout`` (+
 ``vllm``), ``algo`` (advantage / IS correction / KL), ``ckpt``, ``logger``, ``eval``;
-``commands`` composes them; ``renamed`` lists retired flags.
+``commands`` composes them (``prm``: the PRM command's config and data); ``renamed`` lists retired flags.
 
 ``python -m treadle.trainer.config --dump-flags`` prints every command's flag set (the pinned
 snapshot); ``python -m treadle.trainer.config ppo ARGS...`` prints the resolved config as YAML.
@@ -22,10 +22,12 @@ from typing import Any
 from treadle.common.config import ConfigError, dump_yaml, flag_names, load_yaml, parse
 from treadle.trainer.config.algo import ADVANTAGE_ESTIMATORS, GROUP_ESTIMATORS, AdvantageEstimator
 from treadle.trainer.config.commands import DPOConfig, KTOConfig, PPOConfig, RMConfig, SFTConfig
+from treadle.trainer.config.prm import PRMConfig
 from treadle.trainer.config.renamed import (
     RENAMED_DPO,
     RENAMED_KTO,
     RENAMED_PPO,
+    RENAMED_PRM,
     RENAMED_RM,
     RENAMED_SFT,
 )
@@ -33,6 +35,7 @@ from treadle.trainer.config.renamed import (
 COMMANDS: Mapping[str, tuple[type, Mapping[str, str]]] = MappingProxyType({
     "sft": (SFTConfig, RENAMED_SFT),
     "rm": (RMConfig, RENAMED_RM),
+    "prm": (PRMConfig, RENAMED_PRM),
     "dpo": (DPOConfig, RENAMED_DPO),
     "kto": (KTOConfig, RENAMED_KTO),
     "ppo": (PPOConfig, RENAMED_PPO),
@@ -41,7 +44,7 @@ COMMANDS: Mapping[str, tuple[type, Mapping[str, str]]] = MappingProxyType({
 
 
 def parse_command(command: str, argv: Sequence[str] | None = None) -> Any:
-    """The validated config of ``command`` ("sft", "rm", "dpo", "kto", "ppo") from ``argv`` (``sys.argv[1:]`` if None)."""
+    """The validated config of ``command`` ("sft", "rm", "prm", "dpo", "kto", "ppo") from ``argv`` (``sys.argv[1:]`` if None)."""
     cls, renamed = COMMANDS[command]
     return parse(cls, argv, prog=f"treadle-train {command}", renamed=renamed)
 
@@ -54,6 +57,11 @@ def parse_sft(argv: Sequence[str] | None = None) -> SFTConfig:
 def parse_rm(argv: Sequence[str] | None = None) -> RMConfig:
     """``RMConfig`` from the command line of ``treadle-train rm``."""
     return parse_command("rm", argv)
+
+
+def parse_prm(argv: Sequence[str] | None = None) -> PRMConfig:
+    """``PRMConfig`` from the command line of ``treadle-train prm``."""
+    return parse_command("prm", argv)
 
 
 def parse_dpo(argv: Sequence[str] | None = None) -> DPOConfig:
@@ -84,7 +92,7 @@ def flags_snapshot(commands: Sequence[str] | None = None) -> str:
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS", "COMMANDS", "GROUP_ESTIMATORS", "AdvantageEstimator", "ConfigError",
-    "DPOConfig", "KTOConfig", "PPOConfig", "RMConfig", "SFTConfig", "command_flags", "dump_yaml",
-    "flags_snapshot", "load_yaml", "parse_command", "parse_dpo", "parse_kto", "parse_ppo", "parse_rm",
+    "DPOConfig", "KTOConfig", "PPOConfig", "PRMConfig", "RMConfig", "SFTConfig", "command_flags", "dump_yaml",
+    "flags_snapshot", "load_yaml", "parse_command", "parse_dpo", "parse_kto", "parse_ppo", "parse_prm", "parse_rm",
     "parse_sft",
 ]

@@ -20,6 +20,8 @@ AdvantageEstimator = Literal["gae", "reinforce", "reinforce_baseline", "rloo", "
 ADVANTAGE_ESTIMATORS: tuple[str, ...] = typing.get_args(AdvantageEstimator)
 GROUP_ESTIMATORS = frozenset({"reinforce_baseline", "rloo", "group_norm", "dr_grpo"})
 """Estimators whose baseline comes from the other samples of the same prompt (need n > 1)."""
+PROCESS_REWARD_ESTIMATORS = frozenset({"gae", "reinforce", "reinforce_baseline"})
+"""Estimators that take per-token (process) rewards (``rl.advantages``' module docstring says why)."""
 ISLevel = Literal["off", "token", "seq"]
 ISMode = Literal["mask", "clip"]
 ISGating = Literal["ratio", "binary_kl", "tv"]

@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 
 from treadle.common.config import ConfigError, configclass
-from treadle.trainer.config.algo import GROUP_ESTIMATORS, AlgoConfig
+from treadle.trainer.config.algo import GROUP_ESTIMATORS, PROCESS_REWARD_ESTIMATORS, AlgoConfig
 from treadle.trainer.config.ckpt import CheckpointConfig
 from treadle.trainer.config.data import (
     KTODataConfig,
@@ -299,9 +299,14 @@ def _check_reward_source(cfg: PPOConfig) -> None:
         raise ConfigError("--reward.model_name_or_path and --reward.remote_url are both set: rewards come from one of them")
     if agent and (reward.model_name_or_path or reward.remote_url):
         raise ConfigError(f"{flag} computes rewards itself: drop --reward.model_name_or_path/--reward.remote_url")
-    if not (reward.model_name_or_path or reward.remote_url or agent):
-        raise ConfigError("no reward: set --reward.model_name_or_path, --reward.remote_url, --train.agent_func_path "
-                          "or --train.agent_cmd")
+    if not (reward.model_name_or_path or reward.remote_url or agent or reward.prm_model_name_or_path):
+        raise ConfigError("no reward: set --reward.model_name_or_path, --reward.remote_url, --train.agent_func_path, "
+                          "--train.agent_cmd or --reward.prm_model_name_or_path")
+    est = cfg.algo.advantage.estimator
+    if reward.prm_model_name_or_path and est not in PROCESS_REWARD_ESTIMATORS:
+        raise ConfigError(f"--reward.prm_model_name_or_path gives per-token rewards, which --algo.advantage.estimator "
+                          f"{est} cannot use (its group baseline is taken on the episode reward only); use one of "
+                          f"{sorted(PROCESS_REWARD_ESTIMATORS)}")
     if len(reward.model_paths) > 1:
         raise ConfigError(f"--reward.model_name_or_path lists {len(reward.model_paths)} models; this trainer scores "
                           "with one reward model (several are not implemented; OpenRLHF since 0.6.3 takes one too). "

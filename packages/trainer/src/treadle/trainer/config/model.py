@@ -16,6 +16,7 @@ roles have no ``--model.*`` spelling: OpenRLHF's PPO says ``--actor.*`` too.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -267,12 +268,29 @@ class RefConfig:
         _check_placement(self)
 
 
+def _check_prm_folder(path: str | None) -> None:
+    """A local PRM folder must say where its steps end (``step_separator``, written by ``treadle-train prm``)."""
+    if path == "":
+        raise ConfigError("--reward.prm_model_name_or_path is empty: give a treadle-train prm output folder")
+    if path is None:
+        return
+    config = Path(path) / "config.json"
+    if config.is_file() and not json.loads(config.read_text()).get("step_separator"):
+        raise ConfigError(f"--reward.prm_model_name_or_path {path}: its config.json has no step_separator, which "
+                          "treadle-train prm records (a process reward model trained elsewhere: add the separator "
+                          "its steps end with there, e.g. \"step_separator\": \"\\n\")")
+
+
 @configclass
 class RewardConfig:
     """Where rewards come from (a reward model, or a remote / Python reward) and how they are shaped."""
 
     model_name_or_path: str | None = None
     """Reward model(s), comma-separated; the first also initialises the critic."""
+    prm_model_name_or_path: str | None = None
+    """A process reward model (``treadle-train prm``): its score at each step separator of a
+    response (sigmoid of its logit there) is added as a per-token reward on that token
+    (``rl.prm``); gae, reinforce and reinforce_baseline only."""
     remote_url: str | None = None
     """Reward source(s), comma-separated: a .py file defining reward_func (or math / format / code),
     an HTTP endpoint (OpenRLHF's /get_reward), or a treadle-rewards daemon (tcp:// or ipc://)."""
@@ -320,6 +338,7 @@ class RewardConfig:
                               f"{self.timeout_s} and {self.retry_s}")
         for url in self.remote_urls:
             require_client_keys(url, self.curve_dir, "--reward.curve_dir")
+        _check_prm_folder(self.prm_model_name_or_path)
         if self.token_file is not None and not Path(self.token_file).is_file():
             raise ConfigError(f"--reward.token_file {self.token_file} is not a file")
         low, high = self.clip_range

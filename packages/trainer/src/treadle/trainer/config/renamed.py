@@ -121,6 +121,14 @@ RENAMED_RM: Mapping[str, str] = MappingProxyType({
     "--compute_fp32_loss": "--actor.compute_fp32_loss_enable",
 })
 
+RENAMED_PRM: Mapping[str, str] = MappingProxyType({
+    **_SHARED, **_SUPERVISED,
+    "--input_key": "--data.input_key",
+    "--label_key": "--data.label_key",
+    "--placeholder_token": "--data.placeholder_token",
+    "--reward_tokens": "--data.reward_tokens",
+})
+
 _PREFERENCE: dict[str, str] = {
     "--beta": "--actor.beta",
     "--ref_offload": "--ref.offload",

@@ -24,15 +24,15 @@ import numpy as np
 
 from treadle.trainer.data.samples import Sample, TokenSeq
 
-FORMAT = 1  # bump when the file layout changes
+FORMAT = 2  # bump when the file layout changes
 
 
 def _source_digest() -> str:
     """The code that turns rows into samples: a change to it must not reuse old caches."""
-    from treadle.trainer.data import formatting, samples, sources  # noqa: PLC0415
+    from treadle.trainer.data import formatting, samples, sources, steps  # noqa: PLC0415
 
     h = hashlib.sha256()
-    for module in (formatting, samples, sources):
+    for module in (formatting, samples, sources, steps):
         h.update(Path(module.__file__).read_bytes())
     return h.hexdigest()
 
@@ -73,6 +73,8 @@ def _flatten(prefix: str, samples: Sequence[Sample]) -> dict[str, np.ndarray]:
         f"{prefix}.index": np.array([s.index for s in samples], dtype=np.int64),
         f"{prefix}.margin": np.array([s.margin for s in samples], dtype=np.float64),
         f"{prefix}.desirable": np.array([s.desirable for s in samples], dtype=bool),
+        f"{prefix}.steps": np.array([len(s.step_labels) for s in samples], dtype=np.int64),
+        f"{prefix}.step_labels": np.array([y for s in samples for y in s.step_labels], dtype=np.float64),
     }
 
 
@@ -81,9 +83,12 @@ def _unflatten(prefix: str, z: Mapping[str, np.ndarray]) -> list[Sample]:
     bounds = np.concatenate([[0], np.cumsum(z[f"{prefix}.lengths"])])
     seqs = [TokenSeq(ids=ids[a:b], target=target[a:b]) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
     starts = np.concatenate([[0], np.cumsum(z[f"{prefix}.per_sample"])])
-    return [Sample(seqs=tuple(seqs[a:b]), index=int(i), margin=float(m), desirable=bool(d))
-            for a, b, i, m, d in zip(starts[:-1], starts[1:], z[f"{prefix}.index"], z[f"{prefix}.margin"],
-                                     z[f"{prefix}.desirable"], strict=True)]
+    labels = z[f"{prefix}.step_labels"].tolist()
+    steps = np.concatenate([[0], np.cumsum(z[f"{prefix}.steps"])]).tolist()
+    return [Sample(seqs=tuple(seqs[a:b]), index=int(i), margin=float(m), desirable=bool(d),
+                   step_labels=tuple(labels[u:v]))
+            for a, b, i, m, d, u, v in zip(starts[:-1], starts[1:], z[f"{prefix}.index"], z[f"{prefix}.margin"],
+                                           z[f"{prefix}.desirable"], steps[:-1], steps[1:], strict=True)]
 
 
 def save(path: Path, splits: Mapping[str, Sequence[Sample]], dropped: int) -> Path:

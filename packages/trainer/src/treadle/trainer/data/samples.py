@@ -2,7 +2,7 @@
 
 A ``Sample`` holds one or more token sequences (SFT: one; preference pairs: chosen then
 rejected; KTO: the answer then a mismatched answer for the KL baseline) and the row-level
-values a recipe reads (pair margin, KTO label). Token ids are numpy arrays: they are built once
+values a recipe reads (pair margin, KTO label, PRM step labels). Token ids are numpy arrays: they are built once
 on every rank and never travel between processes.
 """
 
@@ -55,6 +55,8 @@ class Sample:
     """RM: the row's margin (0 when the data has none)."""
     desirable: bool = True
     """KTO: whether the answer is desirable."""
+    step_labels: tuple[float, ...] = ()
+    """PRM: the label in [0, 1] of each target token of the sequence (each step's last token), in order."""
 
     @property
     def num_tokens(self) -> int:

@@ -2,6 +2,7 @@
 
 - ``sft``: next-token negative log-likelihood with a step-wide token-mean normaliser.
 - ``rm``: pairwise (Bradley-Terry) reward-model losses, optional margin.
+- ``prm``: process reward models: binary cross-entropy on per-step logits.
 - ``preference``: DPO, cDPO, IPO and KTO.
 
 They take tensors and scalars, never a config object; each docstring gives the formula, shapes,

@@ -46,6 +46,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from treadle.trainer.config.algo import PROCESS_REWARD_ESTIMATORS as _PROCESS_REWARD_ESTIMATORS
 from treadle.trainer.rl._masked import as_float, check_shapes, last_index, zero_pad
 
 GROUP_NORM_EPS = 1e-9
@@ -132,8 +133,9 @@ def token_rewards(final: Tensor, mask: Tensor, kl: Tensor | None, kl_coef: float
     return r.scatter_add(1, last[:, None], on_last[:, None].to(r.dtype))
 
 
-PROCESS_REWARD_ESTIMATORS = frozenset({"gae", "reinforce", "reinforce_baseline"})
-"""Estimators that take per-token (process) rewards in ``token_rewards(process=...)`` (module docstring)."""
+PROCESS_REWARD_ESTIMATORS = _PROCESS_REWARD_ESTIMATORS
+"""Estimators that take per-token (process) rewards in ``token_rewards(process=...)`` (module docstring;
+defined in ``config.algo``, where the config refuses the others for a process reward model)."""
 
 
 def _gap_powers(base: float, gaps: Tensor | None, like: Tensor, mask: Tensor) -> Tensor:

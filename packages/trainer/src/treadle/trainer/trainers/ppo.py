@@ -229,11 +229,14 @@ class PPOTrainer:
         all_gather_arrays(exps, names, self.dist.device, rank=dp.rank, world=dp.world, group=dp.group)
         if self.p.reward_model is not None:
             self._score_with_reward_model(exps)
+        steps = self._score_with_prm(exps) if self.p.prm is not None else None
         ent, tokens = all_reduce([sums.get("entropy", 0.0), sums.get("tokens", 0.0)], self.dist.device, group=dp.group)
         metrics = finalize(exps, self.returns_config())
         staleness = np.array([e.staleness for e in exps])
         if tokens:
             metrics["entropy"] = ent / tokens
+        if steps is not None:
+            metrics["prm/steps_mean"] = steps / len(exps)
         metrics.update({"staleness/mean": float(staleness.mean()),
                         "staleness/max": float(staleness.max()), "kl_coef": self.kl.coef,
                         "score/mean": float(np.mean([t.score if t.score is not None else (t.reward or 0.0) for t in trajs]))})
@@ -268,6 +271,17 @@ class PPOTrainer:
                     scores[i] = value
         for e, value in zip(exps, all_reduce(scores, self.dist.device, group=dp.group), strict=True):
             e.reward = (value - mean) / std
+
+    def _score_with_prm(self, exps: list[Experience]) -> int:
+        """Add the PRM's step scores to the experiences' process rewards (``rl.prm``); the steps scored."""
+        from treadle.trainer.models.reward_model import on_device  # noqa: PLC0415
+        from treadle.trainer.rl.prm import add_prm_rewards  # noqa: PLC0415
+
+        dp = self.p.dp
+        with on_device(self.p.prm, self.dist.device, offload=self.cfg.reward.offload) as prm:
+            return add_prm_rewards(prm, exps, self.p.prm_separator, micro_batch=self.score_batching.micro_batch,
+                                   packing=self.batching.packing, pad_id=self.batching.pad_id, device=self.dist.device,
+                                   ring=self.p.ring, rank=dp.rank, world=dp.world, group=dp.group)
 
     def train_on(self, exps: list[Experience], step: int) -> dict[str, float]:
         """``max_epochs`` passes over ``exps`` in optimizer steps; critic then actor."""

@@ -49,6 +49,8 @@ class PPOParts:
     critic: Any | None  # DeepSpeed engine (gae only)
     reference: Reference | None
     reward_model: Any | None  # frozen RewardModel on the device
+    prm: Any | None = None  # frozen ProcessRewardModel (--reward.prm_model_name_or_path), as the reward model
+    prm_separator: tuple[int, ...] = ()  # the PRM's step separator in the actor's token ids
     checkpointer: Checkpointer
     opt_steps_per_rl_step: int
     ema: Any | None = None  # ActorEMA with --train.enable_ema
@@ -350,6 +352,24 @@ def sync_route(cfg: PPOConfig, *, cuda: bool) -> tuple[str, str]:
     return "collective", backend
 
 
+def process_reward_model(cfg: PPOConfig, dist: DistInfo, tokenizer: Any) -> tuple[Any | None, tuple[int, ...]]:
+    """(the frozen PRM or None, its step separator's token ids in the actor's tokenizer), placed as the
+    reward model (``--reward.offload`` too)."""
+    path = cfg.reward.prm_model_name_or_path
+    if path is None:
+        return None, ()
+    from treadle.trainer.data.steps import separator_ids  # noqa: PLC0415
+    from treadle.trainer.models.reward_model import ProcessRewardModel  # noqa: PLC0415
+
+    prm = ProcessRewardModel.from_pretrained(path, cfg.ds).eval().requires_grad_(False)
+    marker = getattr(prm.config, "step_separator", None)
+    if not marker:
+        raise ConfigError(f"--reward.prm_model_name_or_path {path}: its config has no step_separator "
+                          "(treadle-train prm records it)")
+    prm.to("cpu" if cfg.reward.offload else dist.device)
+    return prm, tuple(separator_ids(tokenizer, marker))
+
+
 def build_parts(cfg: PPOConfig) -> PPOParts:
     """Everything, in the order that fails fastest on bad input (data before models before daemons)."""
     from treadle.trainer.ring.group import data_parallel  # noqa: PLC0415
@@ -374,9 +394,10 @@ def build_parts(cfg: PPOConfig) -> PPOParts:
     rl_steps = len(prompts) * cfg.train.num_episodes // cfg.rollout.batch_size
     actor, critic = engines(cfg, dist, dp.world, max(1, rl_steps * per_step * cfg.train.max_epochs))
     reference, reward_model = frozen_models(cfg, dist, ring)
+    prm, prm_separator = process_reward_model(cfg, dist, tok)
     parts = PPOParts(cfg=cfg, dist=dist, tokenizer=tok, prompts=prompts, eval_prompts=eval_prompts, ring=ring, dp=dp,
                      actor=actor,
-                     critic=critic, reference=reference, reward_model=reward_model,
+                     critic=critic, reference=reference, reward_model=reward_model, prm=prm, prm_separator=prm_separator,
                      checkpointer=build.checkpointer(cfg, dist), opt_steps_per_rl_step=per_step, closers=[])
     if cfg.train.enable_ema:
         from treadle.trainer.models.ema import ActorEMA  # noqa: PLC0415
