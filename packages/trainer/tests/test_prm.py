@@ -1,19 +1,26 @@
 """Process reward models: the loss by hand, step-labelled rows, ``treadle-train prm`` learning the
 labels of a tiny synthetic set, and PPO's ``--reward.prm_model_name_or_path`` putting the PRM's
-step scores on the separator tokens, reaching the advantages as ``rl.returns`` says."""
+step scores on the separator tokens, reaching the advantages as ``rl.returns`` says (by hand on
+``rl.prm`` + ``finalize``; end to end, slow: a ``treadle-train ppo`` run on an hf rollout daemon
+scores exactly the separators its policy sampled)."""
 
 from __future__ import annotations
 
-import dataclasses
+import collections
+import contextlib
 import json
 import math
+import os
 import random
+import shutil
+import signal
 import subprocess
 import sys
 
 import numpy as np
 import pytest
 import torch
+from treadle_testing import free_port
 
 from treadle.common.config import ConfigError
 from treadle.common.records import Trajectory
@@ -223,5 +230,80 @@ def test_ppo_prm_scores_the_separator_tokens_and_moves_the_advantages(prm_run, t
     plain = [from_trajectory(t) for t in trajs]
     for e in plain:
         e.reward = float(e.traj.reward)
-    finalize(plain, dataclasses.replace(cfg))
+    finalize(plain, cfg)
     assert plain[1].arrays["returns"].tolist() == [0.0] * plain[1].num_actions
+
+
+CONSTANT = '''
+def reward_func(queries, prompts, labels):
+    return {"rewards": [0.0] * len(queries)}
+'''
+
+
+@contextlib.contextmanager
+def hf_daemon(model, helpers):
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    proc = subprocess.Popen([sys.executable, "-m", "treadle.rollout", "serve", "--model", str(model), "--engines", "1",
+                             "--endpoint", endpoint, "--backend", "hf", "--no_cpu_bind"],
+                            env=helpers.child_env(), start_new_session=True, stdin=subprocess.DEVNULL)
+    from treadle.rollout.client import SyncRolloutClient
+
+    try:
+        with SyncRolloutClient(endpoint) as rc:
+            rc.wait_ready(timeout=300)
+        yield endpoint
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def _ppo(tiny, tmp_path, endpoint, prm, name, helpers):
+    args = ["ppo", "--actor.model_name_or_path", str(tiny), "--data.prompt_dataset", str(tmp_path / "prompts.jsonl"),
+            "--data.input_key", "prompt", "--reward.remote_url", str(tmp_path / "reward.py"),
+            "--reward.prm_model_name_or_path", str(prm), "--algo.advantage.estimator", "reinforce",
+            "--rollout.n_samples_per_prompt", "4", "--rollout.batch_size", "2", "--train.batch_size", "8",
+            "--train.micro_batch_size", "8", "--rollout.micro_batch_size", "8", "--rollout.max_new_tokens", "12",
+            "--data.prompt_max_len", "16", "--actor.num_gpus_per_node", "1", "--ds.param_dtype", "fp32",
+            "--ds.zero_stage", "0", "--vllm.endpoint", endpoint, "--train.num_episodes", "1", "--data.max_samples", "2",
+            "--ckpt.path", str(tmp_path / name / "ckpt"), "--ckpt.output_dir", str(tmp_path / name / "model")]
+    proc = subprocess.run([sys.executable, "-m", "treadle.trainer.cli", *args], env=helpers.child_env(),
+                          capture_output=True, text=True, timeout=600, cwd=helpers.root)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    rows = [json.loads(line) for line in (tmp_path / name / "ckpt" / "metrics.jsonl").read_text().splitlines()]
+    from treadle.trainer.rl.trajlog import TrajectoryLog
+
+    with TrajectoryLog(tmp_path / name / "ckpt" / "trajectories") as tl:
+        trajs = [t for _, group in tl.recover(0).pending for t in group]
+    return rows, trajs
+
+
+def _with_separator(src, dst, separator):
+    shutil.copytree(src, dst)
+    config = json.loads((dst / "config.json").read_text())
+    config["step_separator"] = separator
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+@pytest.mark.slow
+def test_ppo_run_scores_every_separator_the_policy_sampled(prm_run, tiny, tokenizer, helpers, tmp_path):
+    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps({"prompt": f"solve {w}:"}) + "\n" for w in GOOD[:2]))
+    (tmp_path / "reward.py").write_text(CONSTANT)
+    with hf_daemon(tiny, helpers) as endpoint:
+        _, trajs = _ppo(tiny, tmp_path, endpoint, prm_run / "model", "first", helpers)
+        # the response token sampled most often whose text encodes back to it: the second run's step separator;
+        # the same seed and weights sample the same responses, so its steps are exactly that token's occurrences
+        counts = collections.Counter(t for tr in trajs for t in np.asarray(tr.response_token_ids).tolist())
+        sep, count = next((t, c) for t, c in counts.most_common()
+                          if tokenizer(tokenizer.decode([t]), add_special_tokens=False)["input_ids"] == [t])
+        prm = _with_separator(prm_run / "model", tmp_path / "prm", tokenizer.decode([sep]))
+        rows, again = _ppo(tiny, tmp_path, endpoint, prm, "second", helpers)
+    assert [t.response_token_ids.tolist() for t in again] == [t.response_token_ids.tolist() for t in trajs]
+    (row,) = rows
+    assert row["prm/steps_mean"] == pytest.approx(count / len(trajs))
+    # the outcome reward is 0: what the samples got is the PRM's sigmoids, one in (0, 1) per step
+    assert 0 < row["reward/process_mean"] < row["prm/steps_mean"]
