@@ -152,6 +152,7 @@ def test_engine_fields_fit_each_backends_config():
     (["--model", "m", "--engines", "0"], "--engines must be >= 1"),
     (["--model", "m", "--backend", "hf", "--tensor-parallel-size", "2"], "--backend hf"),
     (["--model", "m", "--engine.max_model_len", "1"], "--engine.max_model_len"),
+    (["--model", "m", "--engine.max_lora_rank", "4"], "--engine.max_lora_rank must be one of"),
     (["--model", "m", "--metrics_port", "9", "--metrics_host", "0.0.0.0"], "pass --metrics_open"),
 ])
 def test_serve_config_refuses_bad_values_naming_the_flag(flags, needle):
@@ -175,7 +176,8 @@ SERVE_FLAGS = [
     "--backend", "--config", "--cpu_bind", "--cpus", "--curve_dir", "--drain_timeout_s", "--endpoint", "--engine.device",
     "--engine.dtype", "--engine.enable_prefix_caching", "--engine.enable_sleep_mode", "--engine.enforce_eager",
     "--engine.eos_token_ids", "--engine.gpu_memory_utilization", "--engine.kv_cache_memory_bytes",
-    "--engine.max_batch_samples", "--engine.max_model_len", "--engine.max_num_seqs", "--engine.multiprocess",
+    "--engine.max_batch_samples", "--engine.max_lora_rank", "--engine.max_model_len", "--engine.max_num_seqs",
+    "--engine.multiprocess",
     "--engine.no_enable_prefix_caching", "--engine.no_enable_sleep_mode", "--engine.no_enforce_eager",
     "--engine.no_multiprocess", "--engine.seed", "--engines", "--gpu_ids", "--health_interval_s",
     "--health_timeout_s", "--help", "--keep_weights", "--max_in_flight_samples", "--max_restarts",

@@ -296,6 +296,27 @@ class WeightGroupSpec(Record, frozen=True):
         return msgspec.structs.replace(self, rank=rank)
 
 
+class LoraAdapter(Record, frozen=True):
+    """The LoRA adapter an adapter-only weight update carries (PEFT's ``LoraConfig``, the fields
+    serving needs): module ``m`` with weight ``W`` computes ``W x + (alpha / rank) * B (A x)``."""
+
+    rank: int
+    """r: ``lora_A`` is [r, in], ``lora_B`` [out, r]."""
+    alpha: float
+    """Scaling numerator: the adapter's product is scaled by alpha / rank."""
+    target_modules: list[str]
+    """The adapted modules, as PEFT matches them (a module's name or its last components: ``q_proj``,
+    ``model.layers.0.mlp.up_proj``), resolved: never ``all-linear``."""
+
+    def __post_init__(self) -> None:
+        if self.rank < 1:
+            raise ValueError(f"LoraAdapter.rank must be >= 1, got {self.rank}")
+        if not self.alpha > 0:
+            raise ValueError(f"LoraAdapter.alpha must be > 0, got {self.alpha}")
+        if not self.target_modules:
+            raise ValueError("LoraAdapter.target_modules is empty")
+
+
 class WeightUpdate(Record):
     """What every weight update says, whatever carries its bytes: a versioned list of tensors.
 
@@ -320,6 +341,10 @@ class WeightUpdate(Record):
     """float32 [C-1]: the sender's prompt logprobs for the canary; engines must match them."""
     canary_tolerance: float = 1e-3
     """Largest allowed absolute difference between canary logprobs."""
+    adapter: LoraAdapter | None = None
+    """None: the tensors are the model's own (they replace its weights, and drop any adapter).
+    Set: they are this LoRA adapter's, in PEFT's file names (``base_model.model.<module>.lora_A.weight``
+    ...), served on top of the engine's base weights in place of its previous adapter."""
 
     def __post_init__(self) -> None:
         n = len(self.names)

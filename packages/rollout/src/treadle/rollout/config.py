@@ -56,6 +56,8 @@ class EngineOptions:
     """vllm: sequences scheduled together."""
     multiprocess: bool = False
     """vllm: run the engine core in its own process (slower start, more memory)."""
+    max_lora_rank: int = 0
+    """vllm: serve LoRA adapter weight updates of rank up to this (vLLM's enable_lora: 1, 8, 16, 32, 64, 128, 256, 320 or 512); 0: none (the hf backend serves any)."""
     max_batch_samples: int = 64
     """hf: samples decoded together in one batch."""
     device: str = "cpu"
@@ -70,6 +72,12 @@ class EngineOptions:
             raise ConfigError("--max_num_seqs and --max_batch_samples must be >= 1")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
             raise ConfigError(f"--kv_cache_memory_bytes must be >= 1 (or None), got {self.kv_cache_memory_bytes}")
+        if self.max_lora_rank not in VLLM_LORA_RANKS:
+            raise ConfigError(f"--max_lora_rank must be one of {', '.join(map(str, VLLM_LORA_RANKS))} (vLLM's "
+                              f"ranks; 0: no LoRA), got {self.max_lora_rank}")
+
+
+VLLM_LORA_RANKS = (0, 1, 8, 16, 32, 64, 128, 256, 320, 512)  # 0: off; the others vLLM's MaxLoRARanks
 
 
 @configclass
@@ -242,7 +250,7 @@ def engine_fields(cfg: ServeConfig, engine_id: str, where: Placement) -> dict[st
             "gpu_memory_utilization": e.gpu_memory_utilization,
             "kv_cache_memory_bytes": e.kv_cache_memory_bytes, "enforce_eager": e.enforce_eager,
             "enable_sleep_mode": e.enable_sleep_mode, "enable_prefix_caching": e.enable_prefix_caching,
-            "max_num_seqs": e.max_num_seqs, "multiprocess": e.multiprocess,
+            "max_num_seqs": e.max_num_seqs, "multiprocess": e.multiprocess, "max_lora_rank": e.max_lora_rank,
             "cpu_threads_bind": where.cpu_bind, "omp_num_threads": where.threads_per_rank}
 
 

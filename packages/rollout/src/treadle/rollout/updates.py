@@ -13,7 +13,8 @@ receiving, so a refused request costs the sender no broadcast and never hangs it
 Keeping the weights: after each update that at least one engine accepted, the front end holds
 that version's tensors (inline: the arrays it received; collective over gloo: the buckets it
 received as the keeper rank). A new or restarted engine is brought to that version inline, with
-the same canary, before it takes work (``catch_up``). Over NCCL the front end does not join
+the same canary, before it takes work (``catch_up``); a LoRA adapter update is kept as such (the
+adapter alone: an engine catches up on its own base weights, so a run keeps to one kind). Over NCCL the front end does not join
 (NCCL allows one rank per GPU, and the engines' workers hold them), and neither it nor an
 engine started with ``--no_keep_weights`` has the bytes: such an engine waits (state ``behind``,
 no work) until the sender, told the group is stale, rebuilds it and sends the next version.
@@ -188,7 +189,7 @@ class WeightCoordinator:
             inline = None if kept is None or isinstance(kept, BaseException) else InlineWeights(
                 version=update.version, names=update.names, dtypes=update.dtypes, shapes=update.shapes,
                 canary_token_ids=update.canary_token_ids, canary_logprobs=update.canary_logprobs,
-                canary_tolerance=update.canary_tolerance, tensors=kept)
+                canary_tolerance=update.canary_tolerance, adapter=update.adapter, tensors=kept)
             yield Control(op="updated", args=self._settle(update, members, replies, inline, received))
 
     def _settle(self, update: Any, targets: list[Any], replies: list[Any], keep: InlineWeights | None,

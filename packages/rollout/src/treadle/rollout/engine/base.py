@@ -16,6 +16,10 @@ Shared here, so every backend behaves alike:
   monotonic versions, the canary, and the "broken" state after a failed load or canary;
 - request validation, per-sample accounting and ``stats()``.
 
+An update may instead carry a LoRA adapter (``WeightUpdate.adapter``): checked against the
+tensors such an adapter needs (``weights.adapter_spec``), carried by the same transports and
+hooks, served on top of the base weights (``_check_adapter`` says whether a backend can).
+
 Each backend receives weights through one set of hooks, one per transport: ``_load`` (inline),
 ``_check_ipc`` / ``_load_ipc`` (cuda_ipc), ``_join_group`` / ``_receive`` / ``_discard`` /
 ``_leave_group`` (collective).
@@ -54,11 +58,19 @@ from treadle.common.records import (
     GenerateResult,
     InlineWeights,
     IpcWeights,
+    LoraAdapter,
     WeightGroupSpec,
     WeightUpdate,
 )
 from treadle.rollout.engine.state import RATE_WINDOW_S, EngineStats, Rate, SleepState
-from treadle.rollout.engine.weights import WeightSpec, as_tensor, canary_error, canary_gap
+from treadle.rollout.engine.weights import (
+    FLOAT_DTYPES,
+    WeightSpec,
+    adapter_spec,
+    as_tensor,
+    canary_error,
+    canary_gap,
+)
 
 log = get_logger(__name__)
 PauseMode = Literal["wait", "abort"]
@@ -169,10 +181,20 @@ class Engine(ABC):
                              f"{self._version}: versions must increase")
         if self._sleep is not None:
             raise BadRequest(f"engine {self.engine_id} is asleep: wake it before loading weights")
-        header = (update.names, update.dtypes, update.shapes)
+        header = (update.names, update.dtypes, update.shapes, update.adapter)
         if header != self._checked:  # the last header that passed passes again (lists compared in C)
-            self.weight_spec.check_header(*header)
+            self._spec_of(update).check_header(*header[:3])
             self._checked = header
+
+    def _spec_of(self, update: WeightUpdate) -> WeightSpec:
+        """What ``update`` must carry: the model's tensors, or those of its LoRA adapter (refused
+        by a backend that cannot serve it, ``_check_adapter``)."""
+        a = update.adapter
+        if a is None:
+            return self.weight_spec
+        self._check_adapter(a)
+        dtype = next(t.dtype for t in self.weight_spec.required.values() if t.dtype in FLOAT_DTYPES)  # the serving dtype
+        return adapter_spec(self.weight_spec, a.rank, a.target_modules, dtype)
 
     async def update_weights(self, update: InlineWeights | IpcWeights, tensors: Sequence[Any] | None = None,
                              *, mode: PauseMode = "wait") -> int:
@@ -191,7 +213,7 @@ class Engine(ABC):
                 await self._swap(update, mode, lambda: self._load_ipc(update), called)
             elif isinstance(update, InlineWeights):
                 ts = [as_tensor(t) for t in (update.tensors if tensors is None else tensors)]
-                self.weight_spec.check_tensors(update.names, update.dtypes, update.shapes, ts)
+                self._spec_of(update).check_tensors(update.names, update.dtypes, update.shapes, ts)
                 await self._swap(update, mode, lambda: self._load(update, ts), called)
             else:
                 raise BadRequest(f"update_weights takes inline or cuda_ipc updates, not {update.transport!r} "
@@ -403,6 +425,11 @@ class Engine(ABC):
     @abstractmethod
     async def _load(self, update: InlineWeights, tensors: list[Any]) -> None:
         """Copy ``tensors`` (checked against the header) into the model."""
+
+    def _check_adapter(self, adapter: LoraAdapter) -> None:
+        """Refuse a LoRA adapter update this engine cannot serve, before anything is touched
+        (default: the backend serves none)."""
+        raise BadRequest(f"the {self.backend} backend does not serve LoRA adapters: send merged weights")
 
     async def _check_ipc(self, update: IpcWeights) -> None:
         """Refuse a cuda_ipc update this engine cannot open, before anything is touched (default:

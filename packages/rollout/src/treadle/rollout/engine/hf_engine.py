@@ -11,6 +11,10 @@ dropping finished rows from the cache; requests arriving meanwhile wait for the 
 sample is returned the moment it finishes. All model work (steps, scoring, weight loads,
 collective receives) runs on one worker thread: serialised, and never on the event loop.
 
+LoRA adapter updates (``WeightUpdate.adapter``) inject PEFT's LoRA layers into the model at the
+first one (``inject_adapter_in_model``: the base weights stay, the forward adds the adapter's
+product) and copy the adapter's tensors at each; a full update zeroes the adapter again.
+
 What this module does not do: continuous batching, prefix caching or paged KV (vLLM's job).
 """
 
@@ -28,6 +32,7 @@ import numpy as np
 import torch
 
 from treadle.common import ipc
+from treadle.common.errors import BadRequest
 from treadle.common.log import get_logger
 from treadle.common.records import (
     CollectiveWeights,
@@ -36,13 +41,16 @@ from treadle.common.records import (
     GenerateResult,
     InlineWeights,
     IpcWeights,
+    LoraAdapter,
     WeightGroupSpec,
+    WeightUpdate,
 )
 from treadle.common.weights import WeightGroup, bucket_ranges, bucket_views, receive_buckets
 from treadle.rollout.engine.base import Engine
 from treadle.rollout.engine.sampling import GREEDY_EPS, mask_stop_tokens, processed_logprobs, sample
 from treadle.rollout.engine.state import SleepState
 from treadle.rollout.engine.weights import (
+    ADAPTER_PREFIX,
     WeightSpec,
     check_ipc_buckets,
     model_eos_ids,
@@ -135,6 +143,7 @@ class HfEngine(Engine):
         self._wgroup: WeightGroup | None = None
         self._uuid: str | None = None  # the GPU's UUID (``ipc.device_uuid``), read at start
         self._named: dict[str, torch.Tensor] | None = None  # ``_targets``
+        self._adapter: LoraAdapter | None = None  # the LoRA layers injected into the model (``_adapt``)
         self._eos: tuple[int, ...] = ()
         self._fallback = torch.Generator(device=self.device).manual_seed(config.seed)
         self.model: Any = None
@@ -334,10 +343,40 @@ class HfEngine(Engine):
     def _targets(self) -> dict[str, torch.Tensor]:
         """The model's parameters and buffers by name, listed once (a walk of the module tree
         costs a few ms on a 1.5B model, ahead of the first bucket); listed again after ``to()``
-        (sleep, wake), which replaces the buffers."""
+        (sleep, wake), which replaces the buffers, and after LoRA layers were injected: a base
+        weight then under its checkpoint name (``.base_layer`` dropped), an adapter tensor under
+        its PEFT file name (``base_model.model.`` + the name, the adapter's name dropped)."""
         if self._named is None:
-            self._named = dict(self.model.named_parameters()) | dict(self.model.named_buffers())
+            named = dict(self.model.named_parameters()) | dict(self.model.named_buffers())
+            self._named = {_served_name(n): t for n, t in named.items()}
         return self._named
+
+    def _check_adapter(self, adapter: LoraAdapter) -> None:
+        if self._adapter is not None and adapter != self._adapter:
+            raise BadRequest(f"engine {self.engine_id} serves a LoRA adapter of rank {self._adapter.rank} on "
+                             f"{self._adapter.target_modules}; one of rank {adapter.rank} on {adapter.target_modules} "
+                             "needs a new engine")
+        try:
+            import peft  # noqa: F401, PLC0415
+        except ImportError:
+            raise BadRequest("the hf backend serves LoRA adapters through peft, which is not installed") from None
+
+    def _adapt(self, update: WeightUpdate) -> None:
+        """Model thread, before a load: an adapter update's first injects PEFT's LoRA layers (A, B
+        at their init: loaded next); a full update drops the adapter (B = 0: the delta is 0)."""
+        a = update.adapter
+        if a is not None and self._adapter is None:
+            from peft import LoraConfig, inject_adapter_in_model  # noqa: PLC0415
+
+            inject_adapter_in_model(LoraConfig(r=a.rank, lora_alpha=a.alpha, target_modules=list(a.target_modules),
+                                               lora_dropout=0.0), self.model)
+            self.model.eval().requires_grad_(False)
+            self._adapter, self._named = a, None
+        elif a is None and self._adapter is not None:
+            with torch.no_grad():
+                for name, t in self._targets().items():
+                    if ".lora_B." in name:
+                        t.zero_()
 
     @torch.inference_mode()
     def _copy(self, names: Sequence[str], tensors: Sequence[torch.Tensor]) -> None:
@@ -355,6 +394,7 @@ class HfEngine(Engine):
             self._copy(update.names[lo:hi], views)
 
     async def _load(self, update: InlineWeights, tensors: list[Any]) -> None:
+        await self._call(self._adapt, update)
         await self._call(self._copy, update.names, tensors)
 
     async def _check_ipc(self, update: IpcWeights) -> None:
@@ -378,6 +418,7 @@ class HfEngine(Engine):
             flats = flat = None
 
     async def _load_ipc(self, update: IpcWeights) -> None:
+        await self._call(self._adapt, update)
         await self._call(self._copy_ipc, update)
 
     async def _join_group(self, spec: WeightGroupSpec) -> None:
@@ -389,6 +430,7 @@ class HfEngine(Engine):
         return receive_buckets(self._wgroup, update.dtypes, update.shapes, update.bucket_sizes, device=str(self.device))
 
     async def _receive(self, update: CollectiveWeights) -> None:
+        await self._call(self._adapt, update)
         await self._call(self._copy_buckets, update, self._buckets(update))
 
     async def _discard(self, update: CollectiveWeights) -> None:
@@ -437,3 +479,13 @@ class HfEngine(Engine):
     def _load_counts(self) -> tuple[int, int]:
         return len(self._running), sum(r.req.sampling.n for r in self._queue)
 
+
+def _served_name(name: str) -> str:
+    """A parameter's name in updates: ``x.q_proj.base_layer.weight`` -> ``x.q_proj.weight``;
+    ``x.q_proj.lora_A.default.weight`` -> ``base_model.model.x.q_proj.lora_A.weight`` (PEFT's file
+    name); any other name as it is."""
+    parts = name.split(".")
+    for i, p in enumerate(parts[:-1]):
+        if p in ("lora_A", "lora_B"):
+            return ADAPTER_PREFIX + ".".join(parts[:i + 1] + parts[i + 2:])
+    return name.replace(".base_layer.", ".")

@@ -15,6 +15,11 @@ into ``reload_weights``, and cuda_ipc ones (GPU, one worker, colocated with the 
 sender's buckets there (``vllm_worker_ext``). vLLM's own weight-transfer API ships CUDA/NIXL/Ray
 backends only and has the same tied-embedding flaw on CPU, so it is not used.
 
+LoRA adapter updates (``WeightUpdate.adapter``, with ``max_lora_rank > 0``: vLLM's
+``enable_lora``) leave the model's weights alone: the adapter's tensors are staged as a PEFT
+folder (inline: by the front end; collective and cuda_ipc: by worker 0 as they arrive), loaded
+with ``add_lora`` under the version as its id, and every request runs with that ``LoRARequest``.
+
 What this module does not do: run several engines (one engine per process in the daemon).
 """
 
@@ -26,6 +31,7 @@ import hashlib
 import itertools
 import json
 import os
+import shutil
 import tempfile
 from collections import defaultdict
 from collections.abc import AsyncIterator, Iterator
@@ -46,7 +52,9 @@ from treadle.common.records import (
     GenerateResult,
     InlineWeights,
     IpcWeights,
+    LoraAdapter,
     WeightGroupSpec,
+    WeightUpdate,
 )
 from treadle.rollout.engine.base import Engine
 from treadle.rollout.engine.state import SleepState
@@ -89,6 +97,7 @@ class VllmEngineConfig:
     initial_version: int = 0
     staging_dir: str | None = None  # inline updates are staged here (None: /dev/shm or tmp)
     rpc_timeout_s: float = 600.0  # weight loads and group joins through collective_rpc
+    max_lora_rank: int = 0  # > 0: serve LoRA adapter updates up to this rank (vLLM's enable_lora); 0: none
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1 or self.pipeline_parallel_size < 1:
@@ -133,6 +142,8 @@ def engine_args(cfg: VllmEngineConfig, on_cpu: bool) -> dict[str, Any]:
         worker_extension_cls=EXTENSION, logprobs_mode="processed_logprobs",
         skip_tokenizer_init=True, generation_config="vllm", disable_log_stats=False,
     )
+    if cfg.max_lora_rank > 0:  # one adapter at a time: the policy's current one
+        args.update(enable_lora=True, max_lora_rank=cfg.max_lora_rank, max_loras=1)
     return {k: v for k, v in args.items() if v is not None}
 
 
@@ -201,6 +212,8 @@ class VllmEngine(Engine):
         self._eos: tuple[int, ...] = ()
         self._slept_for_real = False
         self._sched: dict[str, int] = {}  # the scheduler's latest running/waiting counts
+        self._lora: Any = None  # the LoRARequest of the adapter every request runs with (None: the model alone)
+        self._lora_root: tempfile.TemporaryDirectory[str] | None = None  # its staged PEFT folders
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -233,6 +246,8 @@ class VllmEngine(Engine):
             await self._abort_all()
             self._llm.shutdown()
             self._llm = None
+        if self._lora_root is not None:
+            self._lora_root.cleanup()
 
     # ------------------------------------------------------------------ generation
 
@@ -257,7 +272,8 @@ class VllmEngine(Engine):
         samples = _Samples(req, ids, version, self.engine_id)
         try:
             with _named_errors(self.engine_id):
-                async for out in self._llm.generate({"prompt_token_ids": ids}, self._params(req), rid):
+                async for out in self._llm.generate({"prompt_token_ids": ids}, self._params(req), rid,
+                                                    lora_request=self._lora):
                     for res in samples.add(out):
                         self._live[rid] -= 1
                         yield res
@@ -286,17 +302,71 @@ class VllmEngine(Engine):
                             output_kind=RequestOutputKind.FINAL_ONLY)
         final = None
         with _named_errors(self.engine_id):
-            async for out in self._llm.generate({"prompt_token_ids": toks}, sp, f"{self.engine_id}-score-{next(self._ids)}"):
+            async for out in self._llm.generate({"prompt_token_ids": toks}, sp, f"{self.engine_id}-score-{next(self._ids)}",
+                                                lora_request=self._lora):
                 final = out
         return _pick(final.prompt_logprobs[1:], toks[1:])
 
     # ------------------------------------------------------------------ weights
 
+    def _check_adapter(self, adapter: LoraAdapter) -> None:
+        if self.config.max_lora_rank == 0:
+            raise BadRequest(f"engine {self.engine_id} was started without LoRA: a LoRA adapter update needs "
+                             f"--engine.max_lora_rank >= {adapter.rank} (vLLM's enable_lora)")
+        if adapter.rank > self.config.max_lora_rank:
+            raise BadRequest(f"LoRA adapter of rank {adapter.rank} > the engine's --engine.max_lora_rank "
+                             f"{self.config.max_lora_rank}")
+
+    def _adapter_folder(self, version: int) -> Path:
+        """A new, empty PEFT folder for version ``version``'s adapter (``staging_dir``)."""
+        if self._lora_root is None:
+            self._lora_root = tempfile.TemporaryDirectory(prefix="treadle-lora-", dir=self._staging())
+        folder = Path(self._lora_root.name) / f"v{version}"
+        folder.mkdir()
+        return folder
+
+    async def _serve_adapter(self, update: WeightUpdate, folder: Path) -> None:
+        """Write the adapter's config beside its tensors (PEFT's layout, what vLLM's LoRA loader
+        reads), load it under a new id (the version: no cache of an older one can answer for it),
+        drop the previous one and its folder; every later request runs with it."""
+        from vllm.lora.request import LoRARequest
+
+        a = update.adapter
+        assert a is not None
+        (folder / "adapter_config.json").write_text(json.dumps({
+            "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": a.rank, "lora_alpha": a.alpha,
+            "target_modules": list(a.target_modules), "lora_dropout": 0.0, "bias": "none",
+            "base_model_name_or_path": self.config.model}))
+        new = LoRARequest(lora_name=f"treadle-v{update.version}", lora_int_id=update.version, lora_path=str(folder))
+        old, self._lora = self._lora, None
+        if old is not None:
+            await self._llm.remove_lora(old.lora_int_id)
+            shutil.rmtree(old.lora_path, ignore_errors=True)
+        await self._llm.add_lora(new)
+        self._lora = new
+
+    async def _drop_adapter(self) -> None:
+        """A full update replaces the model: requests run without the adapter from now on."""
+        old, self._lora = self._lora, None
+        if old is not None:
+            await self._llm.remove_lora(old.lora_int_id)
+            shutil.rmtree(old.lora_path, ignore_errors=True)
+
+    def _staging(self) -> str | None:
+        return self.config.staging_dir or ("/dev/shm" if Path("/dev/shm").is_dir() else None)
+
     async def _load(self, update: InlineWeights, tensors: list[Any]) -> None:
         from safetensors.torch import save_file
 
-        folder = self.config.staging_dir or ("/dev/shm" if Path("/dev/shm").is_dir() else None)
-        with tempfile.TemporaryDirectory(prefix="treadle-weights-", dir=folder) as tmp:
+        if update.adapter is not None:
+            folder = self._adapter_folder(update.version)
+            save_file({n: as_tensor(t).contiguous() for n, t in zip(update.names, tensors, strict=True)},
+                      str(folder / "adapter_model.safetensors"))
+            await self._serve_adapter(update, folder)
+            await self._llm.update_weight_version(str(update.version))
+            return
+        await self._drop_adapter()
+        with tempfile.TemporaryDirectory(prefix="treadle-weights-", dir=self._staging()) as tmp:
             path = str(Path(tmp) / "update.safetensors")
             save_file({n: as_tensor(t).contiguous() for n, t in zip(update.names, tensors, strict=True)}, path)
             await self._rpc("treadle_load_file", path, list(update.names), sorted(self.weight_spec.skip))
@@ -318,6 +388,15 @@ class VllmEngine(Engine):
                                  f"{self.engine_id} on {self._uuid}: colocate them (same GPU) or send collective")
 
     async def _load_ipc(self, update: IpcWeights) -> None:
+        if update.adapter is not None:
+            folder = self._adapter_folder(update.version)
+            await self._rpc("treadle_save_ipc", str(folder / "adapter_model.safetensors"), list(update.handles),
+                            list(update.names), list(update.dtypes), [list(s) for s in update.shapes],
+                            list(update.bucket_sizes))
+            await self._serve_adapter(update, folder)
+            await self._llm.update_weight_version(str(update.version))
+            return
+        await self._drop_adapter()
         await self._rpc("treadle_load_ipc", list(update.handles), list(update.names), list(update.dtypes),
                         [list(s) for s in update.shapes], list(update.bucket_sizes), sorted(self.weight_spec.skip))
         await self._llm.update_weight_version(str(update.version))
@@ -326,6 +405,14 @@ class VllmEngine(Engine):
         await self._rpc("treadle_join_group", msgspec.structs.asdict(spec))
 
     async def _receive(self, update: CollectiveWeights) -> None:
+        if update.adapter is not None:
+            folder = self._adapter_folder(update.version)
+            await self._rpc("treadle_receive_file", str(folder / "adapter_model.safetensors"), list(update.names),
+                            list(update.dtypes), [list(s) for s in update.shapes], list(update.bucket_sizes))
+            await self._serve_adapter(update, folder)
+            await self._llm.update_weight_version(str(update.version))
+            return
+        await self._drop_adapter()
         await self._rpc("treadle_receive", list(update.names), list(update.dtypes),
                         [list(s) for s in update.shapes], list(update.bucket_sizes), sorted(self.weight_spec.skip))
         await self._llm.update_weight_version(str(update.version))
@@ -376,6 +463,9 @@ class VllmEngine(Engine):
             per_worker = await self._llm.compute_weight_checksums()  # [{param: digest}] per worker
         else:
             per_worker = await self._saved_state_digests()
+        if self._lora is not None:  # the adapter's tensors live in vLLM's LoRA layers, not among the weights
+            per_worker = [*per_worker, {"lora": hashlib.sha256(
+                (Path(self._lora.lora_path) / "adapter_model.safetensors").read_bytes()).hexdigest()}]
         return hashlib.sha256(json.dumps(per_worker, sort_keys=True).encode()).hexdigest()
 
     async def _saved_state_digests(self) -> list[dict[str, str]]:

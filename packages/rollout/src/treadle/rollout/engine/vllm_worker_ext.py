@@ -15,6 +15,9 @@ loading). After every reload of a model with tied
 embeddings the output layer re-runs ``quant_method.process_weights_after_loading``: without it the
 CPU build keeps computing logits from the old embedding (PLATFORM.md; logprobs off by ~2).
 
+A LoRA adapter update is not loaded here: worker 0 saves its tensors as a file
+(``treadle_receive_file``, ``treadle_save_ipc``) that the front end hands to vLLM's LoRA loader.
+
 What this module does not do: check names/shapes/dtypes (the front end did, before calling),
 or pause generation (the front end holds the engine while these run).
 """
@@ -96,6 +99,36 @@ class TreadleWorkerExtension:
         """Receive the buckets of one update and load them while they arrive."""
         buckets = receive_buckets(self._treadle_require_group(), dtypes, shapes, bucket_sizes, device=str(self.device))
         self._treadle_reload(_named(names, frozenset(skip), buckets))
+
+    def treadle_receive_file(self, path: str, names: Sequence[str], dtypes: Sequence[str],
+                             shapes: Sequence[Sequence[int]], bucket_sizes: Sequence[int]) -> None:
+        """Receive the buckets of one update (a LoRA adapter's) and, on worker 0, save their
+        tensors as a safetensors file at ``path``; nothing is loaded into the model."""
+        buckets = receive_buckets(self._treadle_require_group(), dtypes, shapes, bucket_sizes, device=str(self.device))
+        self._treadle_save(path, _named(names, frozenset(), buckets))
+
+    def treadle_save_ipc(self, path: str, handles: Sequence[bytes], names: Sequence[str], dtypes: Sequence[str],
+                         shapes: Sequence[Sequence[int]], bucket_sizes: Sequence[int]) -> None:
+        """Worker 0: map the sender's buckets and save their tensors (a LoRA adapter's) at ``path``."""
+        from treadle.common.ipc import open_handles
+
+        if self.rank != 0:
+            return
+        flats = open_handles(list(handles), self.device)
+        try:
+            buckets = ((lo, hi, bucket_views(flat, dtypes[lo:hi], shapes[lo:hi]))
+                       for (lo, hi), flat in zip(bucket_ranges(bucket_sizes, len(names)), flats, strict=True))
+            self._treadle_save(path, _named(names, frozenset(), buckets))
+        finally:
+            flats = None
+
+    def _treadle_save(self, path: str, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Worker 0 writes ``weights`` (host copies) to ``path``; the others only drain them."""
+        tensors = {name: t.detach().to("cpu", copy=True) for name, t in weights}
+        if self.rank == 0:
+            from safetensors.torch import save_file
+
+            save_file(tensors, path)
 
     def treadle_discard(self, dtypes: Sequence[str], shapes: Sequence[Sequence[int]],
                         bucket_sizes: Sequence[int]) -> None:

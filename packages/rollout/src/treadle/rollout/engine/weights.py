@@ -5,6 +5,7 @@ way leaves a vLLM engine broken (PLATFORM.md). ``WeightSpec`` holds the names, s
 an update must have: the checkpoint's tensor names and shapes (read from the safetensors headers
 of the model folder, no torch needed) and the engine's serving dtype. A tied model's
 ``lm_head.weight`` is accepted and ignored (the embedding is the source of truth).
+``adapter_spec`` derives, from that spec, the tensors a LoRA adapter update must carry.
 ``check_ipc_buckets`` checks a cuda_ipc update's handles against the bucket layout.
 
 What this module does not do: lay buckets out or move bytes (``treadle.common.weights`` and
@@ -28,8 +29,9 @@ from treadle.common.weights import bucket_layout, bucket_ranges
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["FLOAT_DTYPES", "TIED_HEAD", "TIED_SOURCE", "CanaryMismatch", "TensorSpec", "WeightMismatch",
-           "WeightSpec", "as_tensor", "canary_error", "check_ipc_buckets", "model_eos_ids",
+__all__ = ["ADAPTER_PREFIX", "FLOAT_DTYPES", "TIED_HEAD", "TIED_SOURCE", "CanaryMismatch", "TensorSpec",
+           "WeightMismatch", "WeightSpec", "adapter_spec", "as_tensor", "canary_error", "check_ipc_buckets",
+           "model_eos_ids",
            "read_safetensors_header", "spec_from_checkpoint"]
 
 TIED_HEAD = "lm_head.weight"
@@ -130,6 +132,35 @@ def spec_from_checkpoint(folder: str | Path, dtype: str | None = None) -> Weight
     if config.get("tie_word_embeddings") and TIED_SOURCE in specs:
         ignored[TIED_HEAD] = specs.pop(TIED_HEAD, specs[TIED_SOURCE])
     return WeightSpec(required=specs, ignored=ignored)
+
+
+ADAPTER_PREFIX = "base_model.model."  # PEFT's file names: the PeftModel's, adapter name dropped
+
+
+def adapter_spec(model: WeightSpec, rank: int, target_modules: Sequence[str], dtype: str) -> WeightSpec:
+    """The tensors a LoRA adapter of ``rank`` on ``target_modules`` must carry for a model of spec
+    ``model``, named as PEFT saves them: for every 2-d weight ``<m>.weight`` [out, in] whose module
+    is a target (PEFT's rule: a target is the module's name or its last components), ``base_model.model.<m>.lora_A.weight`` [rank, in] and
+    ``...lora_B.weight`` [out, rank], in ``dtype``."""
+    targets = frozenset(target_modules)
+    required: dict[str, TensorSpec] = {}
+    for name, t in model.required.items():
+        module, _, leaf = name.rpartition(".")
+        if leaf != "weight" or len(t.shape) != 2 or not _targeted(module, targets):
+            continue
+        out, inp = t.shape
+        required[f"{ADAPTER_PREFIX}{module}.lora_A.weight"] = TensorSpec((rank, inp), dtype)
+        required[f"{ADAPTER_PREFIX}{module}.lora_B.weight"] = TensorSpec((out, rank), dtype)
+    if not required:
+        raise WeightMismatch(f"adapter update refused: no 2-d weight of the model is in target_modules "
+                             f"{sorted(targets)}")
+    return WeightSpec(required=required)
+
+
+def _targeted(module: str, targets: frozenset[str]) -> bool:
+    """PEFT's rule for a list of targets: the module's name is one, or ends with ``.`` + one."""
+    parts = module.split(".")
+    return any(".".join(parts[i:]) in targets for i in range(len(parts)))
 
 
 def model_eos_ids(folder: str | Path) -> tuple[int, ...]:
