@@ -1,9 +1,10 @@
 """--optim muon: the parameter split, one optimizer step worked out by hand, the refusals at parse
-time, and a real SFT run on the tiny model under ZeRO-2 on 2 ranks."""
+time, real SFT runs on the tiny model (2-rank ZeRO-2 against 1-rank stage 0; a resumed run)."""
 
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -121,6 +122,12 @@ def test_accepted(command, extra):
     parse_command(command, [*(PPO if command == "ppo" else SFT), *extra])
 
 
+def _one_rank(helpers, args: list[str]) -> None:
+    proc = subprocess.run([sys.executable, *args], env=helpers.child_env(), capture_output=True, text=True,
+                          timeout=400, cwd=helpers.root)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+
 def _sft_losses(tiny, data, out, stage: int, launch) -> list[dict]:
     launch(["-m", "treadle.trainer.cli", "sft", "--actor.model_name_or_path", str(tiny),
             "--data.dataset", str(data.sft), "--data.input_key", "question", "--data.output_key", "response",
@@ -138,14 +145,27 @@ def test_sft_with_muon_trains_and_zero2_on_two_ranks_steps_like_one_rank_without
     would not. The logged grad_norm (ZeRO only) is the norm of the orthogonalized updates, which
     is why clipping is refused: sqrt(sum over matrices of ~min(m, n) x rows/cols), tens for the
     tiny model, where AdamW's raw gradients have a norm of about 2."""
-    def one_rank(args: list[str]) -> None:
-        proc = subprocess.run([sys.executable, *args], env=helpers.child_env(), capture_output=True, text=True,
-                              timeout=400, cwd=helpers.root)
-        assert proc.returncode == 0, proc.stderr[-4000:]
-
     zero2 = _sft_losses(tiny, data, tmp_path / "zero2", 2, helpers.torchrun)
-    stage0 = _sft_losses(tiny, data, tmp_path / "stage0", 0, one_rank)
+    stage0 = _sft_losses(tiny, data, tmp_path / "stage0", 0, lambda args: _one_rank(helpers, args))
     losses = [r["loss"] for r in zero2]
     assert len(losses) == 6 and losses[-1] < losses[0] - 0.3, losses
     assert losses == pytest.approx([r["loss"] for r in stage0], abs=1e-3)
     assert all(r["grad_norm"] > 10 for r in zero2), [r["grad_norm"] for r in zero2]
+
+
+def test_a_resumed_muon_run_continues_as_if_uninterrupted(tiny, data, tmp_path, helpers):
+    """The checkpoint keeps Muon's momentum (in DeepSpeed's optimizer state): resumed from step 4,
+    the run's steps 5-8 log the uninterrupted run's losses. Step 6's loss already depends on the
+    momentum: a fresh one would make step 5's update NS(g) instead of NS(g blended with the past)."""
+    args = ["-m", "treadle.trainer.cli", "sft", "--actor.model_name_or_path", str(tiny), "--data.dataset", str(data.sft),
+            "--data.input_key", "question", "--data.output_key", "response", "--data.max_samples", "32",
+            "--train.batch_size", "8", "--train.micro_batch_size", "4", "--ds.param_dtype", "fp32",
+            "--ds.zero_stage", "2", "--train.max_epochs", "2", "--optim", "muon", "--max_norm", "0",
+            "--muon.lr", "0.05", "--adam.lr", "2e-3", "--ckpt.path", str(tmp_path / "ckpt"),
+            "--ckpt.output_dir", str(tmp_path / "model")]
+    _one_rank(helpers, [*args, "--ckpt.save_steps", "4"])
+    shutil.rmtree(tmp_path / "ckpt" / "step_00000008")  # resume from step 4
+    _one_rank(helpers, [*args, "--ckpt.load_enable"])
+    rows = [json.loads(line) for line in (tmp_path / "ckpt" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6, 7, 8, 5, 6, 7, 8]
+    assert [r["loss"] for r in rows[8:]] == pytest.approx([r["loss"] for r in rows[4:8]], abs=1e-6)
