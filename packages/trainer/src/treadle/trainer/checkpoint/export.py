@@ -3,7 +3,8 @@
 ``full_state_dict`` collects the weights on rank 0 (gathering ZeRO-3 and AutoTP shards, merging
 LoRA adapters); ``save_causal_lm`` / ``save_reward_model`` write a folder that
 ``AutoModelForCausalLM`` / ``AutoModelForSequenceClassification`` and vLLM load, atomically
-(``atomic.publish``). The weights are placed into a skeleton built on the meta device, so no
+(``atomic.publish``); a LoRA causal LM's folder also holds its adapter alone (``adapter/``,
+PEFT's layout: ``lora_adapter``). The weights are placed into a skeleton built on the meta device, so no
 second full copy of the model is initialised.
 
 Not here: resumable training checkpoints (``checkpointer``).
@@ -84,6 +85,29 @@ def _planned(module: torch.nn.Module, is_main: bool, *, zero3: bool) -> dict[str
     return out if is_main else None
 
 
+def lora_adapter(engine: Any, *, zero_stage: int, is_main: bool) -> tuple[Any, dict[str, torch.Tensor]] | None:
+    """A causal LM's LoRA adapter on rank 0: ``(its peft config, its tensors in PEFT's file names)``
+    (gathered one tensor at a time under ZeRO-3, every rank must call it); None elsewhere, and for
+    a model without adapters (``save_causal_lm``'s ``adapter``)."""
+    from treadle.trainer.weights.gather import walk  # noqa: PLC0415
+    from treadle.trainer.weights.plan import adapter_items  # noqa: PLC0415
+
+    module = engine.module
+    if not hasattr(module, "peft_config") or not hasattr(module, "get_base_model"):  # no peft import without LoRA
+        return None
+    items = adapter_items(module)
+    out: dict[str, torch.Tensor] = {}
+    for lo, hi in walk(items, [1] * len(items), zero3=zero_stage == 3):
+        if is_main:
+            for it in items[lo:hi]:
+                out[it.name] = it.value().cpu().clone()
+    if not is_main:
+        return None
+    config = copy.deepcopy(module.peft_config[module.active_adapter])
+    config.inference_mode = True
+    return config, out
+
+
 def _has_peft(module: torch.nn.Module) -> bool:
     return any("lora_" in n for n, _ in module.named_parameters())
 
@@ -108,23 +132,43 @@ def _dense_config(config: Any, state: dict[str, torch.Tensor]) -> Any:
     return config
 
 
-def _write(model: torch.nn.Module, tokenizer: Any, out: Path) -> Path:
+def _write(model: torch.nn.Module, tokenizer: Any, out: Path,
+           adapter: tuple[Any, dict[str, torch.Tensor]] | None = None) -> Path:
     tmp = staging_dir(out)
     model.save_pretrained(tmp, safe_serialization=True)
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp)
+    if adapter is not None:
+        _write_adapter(*adapter, tmp / ADAPTER_DIR)
     return publish(tmp, out)
 
 
-def save_causal_lm(state: dict[str, torch.Tensor], config: Any, tokenizer: Any, out: str | Path) -> Path:
-    """Write a causal LM folder (rank 0 only) that ``AutoModelForCausalLM`` and vLLM load."""
+ADAPTER_DIR = "adapter"  # where a LoRA model's export puts its adapter, inside the merged model's folder
+
+
+def _write_adapter(config: Any, tensors: dict[str, torch.Tensor], out: Path) -> None:
+    """PEFT's adapter folder: ``adapter_config.json`` + ``adapter_model.safetensors`` (what
+    ``PeftModel.from_pretrained(base, out)`` and vLLM's ``LoRARequest`` load)."""
+    from safetensors.torch import save_file  # noqa: PLC0415
+
+    out.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(str(out))
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "adapter_model.safetensors"),
+              metadata={"format": "pt"})
+
+
+def save_causal_lm(state: dict[str, torch.Tensor], config: Any, tokenizer: Any, out: str | Path, *,
+                   adapter: tuple[Any, dict[str, torch.Tensor]] | None = None) -> Path:
+    """Write a causal LM folder (rank 0 only) that ``AutoModelForCausalLM`` and vLLM load; with
+    ``adapter`` (``lora_adapter``'s) the LoRA adapter alone as well, in PEFT's layout, in its
+    ``adapter/`` folder."""
     from transformers import AutoModelForCausalLM  # noqa: PLC0415
 
     config = _dense_config(config, state)
     config.use_cache = True
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config)
-    return _write(_place(skeleton, state), tokenizer, Path(out))
+    return _write(_place(skeleton, state), tokenizer, Path(out), adapter)
 
 
 def save_reward_model(state: dict[str, torch.Tensor], config: Any, tokenizer: Any, out: str | Path, *,

@@ -346,15 +346,16 @@ class PPOTrainer:
 
     def export(self, out: Path) -> None:
         """The actor in HF format (collective); its EMA's weights with ``--train.enable_ema``."""
-        from treadle.trainer.checkpoint.export import full_state_dict, save_causal_lm  # noqa: PLC0415
+        from treadle.trainer.checkpoint.export import full_state_dict, lora_adapter, save_causal_lm  # noqa: PLC0415
 
         state = full_state_dict(self.p.actor, zero_stage=self.cfg.ds.zero_stage, is_main=self.dist.is_main)
+        adapter = lora_adapter(self.p.actor, zero_stage=self.cfg.ds.zero_stage, is_main=self.dist.is_main)
         if self.p.ema is not None:
             state = self.p.ema.apply(state, is_main=self.dist.is_main)
         if self.dist.is_main:
             module = self.p.actor.module
             base = module.get_base_model() if hasattr(module, "get_base_model") else module
-            save_causal_lm(state, base.config, self.p.tokenizer, out)
+            save_causal_lm(state, base.config, self.p.tokenizer, out, adapter=adapter)
         if torch.distributed.is_initialized():
             torch.distributed.barrier()
 

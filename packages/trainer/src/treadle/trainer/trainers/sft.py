@@ -17,7 +17,7 @@ from torch import Tensor
 
 from treadle.common.config import ConfigError
 from treadle.trainer.checkpoint.checkpointer import TrainState
-from treadle.trainer.checkpoint.export import full_state_dict, save_causal_lm
+from treadle.trainer.checkpoint.export import full_state_dict, lora_adapter, save_causal_lm
 from treadle.trainer.config.commands import SFTConfig
 from treadle.trainer.data.batching import SeqBatch
 from treadle.trainer.data.formatting import sft_samples
@@ -33,10 +33,11 @@ from treadle.trainer.trainers.base import Parts, SupervisedTrainer
 def export_causal_lm(trainer: SupervisedTrainer, out: Path) -> None:
     """Collective HF export of a trained causal LM (shared by SFT, DPO and KTO)."""
     state = full_state_dict(trainer.engine, zero_stage=trainer.p.zero_stage, is_main=trainer.dist.is_main)
+    adapter = lora_adapter(trainer.engine, zero_stage=trainer.p.zero_stage, is_main=trainer.dist.is_main)
     if trainer.dist.is_main:
         module = trainer.engine.module
         base = module.get_base_model() if hasattr(module, "get_base_model") else module
-        save_causal_lm(state, base.config, trainer.p.tokenizer, out)
+        save_causal_lm(state, base.config, trainer.p.tokenizer, out, adapter=adapter)
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
 

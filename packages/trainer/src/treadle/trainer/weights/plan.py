@@ -13,6 +13,10 @@ weight travels dequantized.
 ``prompt_logprobs`` scores the canary prompt with the module itself (under ZeRO-3 a forward is a
 collective: every rank must call it).
 
+``adapter_plan(module, dtype)`` lists the LoRA adapter's tensors alone, in PEFT's file names, and
+the ``LoraAdapter`` they make: the adapter-only sync, for engines that serve the base model with
+the adapter on top.
+
 Not here: gathering and packing (``gather``), moving bytes (the transports).
 """
 
@@ -28,8 +32,10 @@ import numpy as np
 import torch
 
 from treadle.common.config import ConfigError
+from treadle.common.records import LoraAdapter
 
-_WRAPPERS = ("module.", "base_model.model.")  # DeepSpeed / DDP, peft's PeftModel + LoraModel
+ADAPTER_PREFIX = "base_model.model."  # peft's PeftModel + LoraModel: where its adapter file's names start
+_WRAPPERS = ("module.", ADAPTER_PREFIX)  # DeepSpeed / DDP, peft's PeftModel + LoraModel
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -169,6 +175,67 @@ def _item(name: str, t: torch.Tensor, dtype: torch.dtype | None, extra: tuple[to
     own, shape = (qs.dtype, tuple(qs.shape)) if qs is not None else (t.dtype, tuple(getattr(t, "ds_shape", t.shape)))
     target = dtype if dtype is not None and (qs is not None or t.is_floating_point()) else own
     return Item(name=name, shape=shape, dtype=target, sources=(t, *extra), merge=merge)
+
+
+def adapter_plan(module: torch.nn.Module, dtype: torch.dtype | None = None) -> tuple[list[Item], LoraAdapter]:
+    """The LoRA adapter's tensors alone (every ``lora_A`` / ``lora_B``, in parameter order, named as
+    PEFT's ``save_pretrained`` writes them: ``base_model.model.<module>.lora_A.weight``), floating
+    ones in ``dtype``, and the adapter they make: what an engine serving the untouched base model
+    needs to compute as the trained one. Refused (``ConfigError``) where the base is not the
+    engines': no adapters, a 4-bit base, trained ``modules_to_save``; and where the adapter is not
+    plain ``W x + (alpha / r) B A x`` with one rank and alpha (DoRA, rsLoRA, rank patterns)."""
+    params, _, layers = _walk(module)
+    if not layers:
+        raise ConfigError("adapter-only weight sync needs a model with LoRA adapters (--ds.lora.rank > 0)")
+    if is_4bit(module):
+        raise ConfigError("adapter-only weight sync with a 4-bit base (--ds.load_in_4bit): the engines' base is "
+                          "the unquantized model, the trainer's the 4-bit one; send merged weights")
+    shapes: set[tuple[int, float]] = set()
+    for layer in layers:
+        active = [] if layer.merged or layer.disable_adapters else list(layer.active_adapters)
+        if len(active) != 1 or active[0] not in layer.lora_A:
+            raise ConfigError(f"adapter-only weight sync sends one active linear LoRA adapter per layer; a layer "
+                              f"has {active} active (embedding adapters, several or merged ones: send merged weights)")
+        a = active[0]
+        if getattr(layer, "lora_variant", {}).get(a) is not None or not math.isclose(
+                layer.scaling[a], layer.lora_alpha[a] / layer.r[a]):
+            raise ConfigError("adapter-only weight sync sends plain LoRA (scaling alpha / r); this model has a "
+                              "variant (DoRA, rsLoRA, ...): send merged weights")
+        shapes.add((layer.r[a], float(layer.lora_alpha[a])))
+    if len(shapes) > 1:
+        raise ConfigError(f"adapter-only weight sync needs one rank and alpha for every layer, got {sorted(shapes)}")
+    trained = [n for n, p in params if "modules_to_save" in n.split(".") and p.requires_grad]
+    if trained:
+        raise ConfigError(f"adapter-only weight sync carries adapters only; {trained[0]} is a trained copy "
+                          "(modules_to_save): send merged weights")
+    items = adapter_items(module, dtype, params)
+    leaves = {it.name.rsplit(".", 2)[0].rpartition(".")[2] for it in items}
+    (rank, alpha), = shapes
+    return items, LoraAdapter(rank=rank, alpha=alpha, target_modules=sorted(leaves))
+
+
+def adapter_items(module: torch.nn.Module, dtype: torch.dtype | None = None,
+                  params: list[tuple[str, torch.Tensor]] | None = None) -> list[Item]:
+    """Every LoRA parameter of ``module`` as an ``Item`` named as in PEFT's adapter file, in
+    parameter order (no checks: the adapter export takes any)."""
+    if params is None:
+        params = _walk(module)[0]
+    return [_item(file_name, p, dtype) for name, p in params if (file_name := adapter_file_name(name)) is not None]
+
+
+def adapter_file_name(name: str) -> str | None:
+    """A LoRA parameter's name in PEFT's adapter file, None for any other parameter:
+    ``module.base_model.model.x.q_proj.lora_A.default.weight`` -> ``base_model.model.x.q_proj.lora_A.weight``
+    (DeepSpeed's ``module.`` and the adapter's name dropped)."""
+    while name.startswith("module."):
+        name = name[len("module."):]
+    parts = name.split(".")
+    for i, part in enumerate(parts[:-2]):
+        if part in ("lora_A", "lora_B"):
+            if not name.startswith(ADAPTER_PREFIX):
+                raise ConfigError(f"adapter-only weight sync: {name} is not a PeftModel's parameter")
+            return ".".join(parts[:i + 1] + parts[i + 2:])
+    return None
 
 
 @functools.cache

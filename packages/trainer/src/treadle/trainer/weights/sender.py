@@ -7,7 +7,8 @@
     sender.close()
 
 ``sync`` is a collective over the trainer's ranks, in three steps: *plan* (``plan.plan``: which
-tensors, under which names, in which dtype; the canary's logprobs if one is configured, a
+tensors, under which names, in which dtype; with ``adapters``, ``plan.adapter_plan``: a LoRA
+model's adapter alone, which the engines serve on their base weights; the canary's logprobs if one is configured, a
 forward pass that is a collective under ZeRO-3), *send* (the transport: ``collective`` over a
 gloo / NCCL group, ``cuda_ipc`` for engines on rank 0's GPU, ``inline`` for tests and tiny
 models; each walks the buckets, gathering ZeRO-3 partitions one bucket at a time), *report*
@@ -35,7 +36,7 @@ from treadle.trainer.weights.collective import Collective
 from treadle.trainer.weights.cuda_ipc import CudaIpc
 from treadle.trainer.weights.inline import Inline
 from treadle.trainer.weights.outcome import Rank, WeightSyncFailed
-from treadle.trainer.weights.plan import Item, plan, prompt_logprobs
+from treadle.trainer.weights.plan import Item, adapter_plan, plan, prompt_logprobs
 
 log = get_logger(__name__)
 
@@ -60,6 +61,7 @@ class SenderConfig:
     host: str = "127.0.0.1"  # collective: where rank 0 hosts the group's TCPStore (reachable from the engines)
     port: int = 0  # collective: the TCPStore's port; 0: a free one, picked at each join
     timeout_s: float = 300.0  # collective: joining, and each broadcast
+    adapters: bool = False  # send the LoRA adapter alone (``plan.adapter_plan``), not the merged model
 
     def __post_init__(self) -> None:
         if self.transport not in ("collective", "inline", "cuda_ipc"):
@@ -134,10 +136,14 @@ class WeightSender:
         if self._closed:
             raise RuntimeError("WeightSender.sync after close()")
         start, wall = time.perf_counter(), time.time()
-        items = plan(self._module, self._dtype)
+        adapter = None
+        if self.config.adapters:
+            items, adapter = adapter_plan(self._module, self._dtype)
+        else:
+            items = plan(self._module, self._dtype)
         sizes = plan_buckets([it.nbytes for it in items], self.config.bucket_bytes)
         header = {"version": version, "names": [it.name for it in items], "dtypes": [it.dtype_name for it in items],
-                  "shapes": [list(it.shape) for it in items], **self._canary(items)}
+                  "shapes": [list(it.shape) for it in items], "adapter": adapter, **self._canary(items)}
         sent = self._transport.send(header, items, sizes)
         answer = sent.answer
         report = SyncReport(version=version, tensors=len(items), bytes=sum(it.nbytes for it in items),
