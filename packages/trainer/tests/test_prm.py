@@ -172,6 +172,24 @@ def test_prm_training_learns_the_step_labels(prm_run, tokenizer):
     assert step_accuracy(logits, labels).mean() > 0.9
 
 
+def test_two_ranks_and_other_micro_batches_train_the_same(prm_run, tiny, helpers, tmp_path):
+    # the loss is the mean over every labelled step of the optimizer step, whatever the split: one rank with
+    # padded micro-batches of 4 (prm_run) and two ZeRO-2 ranks with packed micro-batches of 2 log the same
+    # losses at every step (so the same gradients: a different one would move step k + 1's loss)
+    out = tmp_path / "two"
+    helpers.torchrun(["-m", "treadle.trainer.cli", "prm", "--actor.model_name_or_path", str(tiny),
+                      "--data.dataset", str(prm_run / "train.jsonl"), "--data.step_separator", " ;",
+                      "--train.batch_size", "16", "--train.micro_batch_size", "2", "--ds.packing_samples",
+                      "--train.max_epochs", "3", "--adam.lr", "3e-3", "--ds.param_dtype", "fp32", "--ds.zero_stage", "2",
+                      "--ckpt.path", str(out / "ckpt"), "--ckpt.output_dir", str(out / "model")])
+    def losses(folder):
+        return [json.loads(line)["loss"] for line in (folder / "ckpt" / "metrics.jsonl").read_text().splitlines()
+                if "loss" in json.loads(line)]
+    one, two = losses(prm_run), losses(out)  # the same 18 steps (3 epochs: the same learning-rate schedule)
+    assert len(one) == len(two) == 18 and len(set(np.round(one, 4))) == 18  # steps differ: not constants compared
+    np.testing.assert_allclose(two, one, rtol=1e-5)
+
+
 def _traj(tokenizer, prompt, response, reward, uid):
     p = tokenizer(prompt, add_special_tokens=False)["input_ids"]
     r = [t for piece in response for t in tokenizer(piece, add_special_tokens=False)["input_ids"]]
