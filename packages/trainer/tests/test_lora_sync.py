@@ -124,3 +124,31 @@ def test_export_writes_the_adapter_beside_the_merged_model(tiny, tokenizer, tmp_
         torch.testing.assert_close(merged(ids).logits, want, rtol=0, atol=1e-4)
     assert lora_adapter(SimpleNamespace(module=ws.causal_lm(tiny)), zero_stage=0, is_main=True) is None
     assert not (save_causal_lm(state, model.get_base_model().config, None, tmp_path / "plain") / ADAPTER_DIR).exists()
+
+
+cli = load_by_path("treadle_trainer_test_config_cli_for_lora", HERE / "test_config_cli.py")
+
+
+@pytest.mark.parametrize("extra,needle", [
+    ([], "needs --ds.lora.rank > 0"),
+    (["--ds.lora.rank", "4", "--ds.load_in_4bit"], "--vllm.sync_adapters with --ds.load_in_4bit"),
+    (["--ds.lora.rank", "1024"], "vLLM serves LoRA ranks up to 512"),
+])
+def test_sync_adapters_refusals_name_the_flags(extra, needle):
+    from treadle.trainer.config import parse_ppo
+
+    with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):
+        parse_ppo([*cli.ppo_argv(), "--vllm.sync_adapters", *extra])
+
+
+def test_a_daemon_the_trainer_starts_serves_the_adapters_rank():
+    import dataclasses
+
+    from treadle.trainer.config import parse_ppo
+    from treadle.trainer.daemon import daemon_spec, serve_args
+
+    spec = daemon_spec(parse_ppo([*cli.ppo_argv(), "--vllm.sync_adapters", "--ds.lora.rank", "12"]))
+    args = serve_args(spec, "tcp://h:1")
+    assert args[args.index("--engine.max_lora_rank") + 1] == "16"  # vLLM's next rank up
+    assert "--engine.max_lora_rank" not in serve_args(dataclasses.replace(spec, backend="hf"), "tcp://h:1")
+    assert "--engine.max_lora_rank" not in serve_args(daemon_spec(parse_ppo(cli.ppo_argv())), "tcp://h:1")

@@ -24,6 +24,7 @@ from typing import Any
 from treadle.common import env
 from treadle.common.config import ConfigError
 from treadle.common.log import get_logger
+from treadle.trainer.config.rollout import VLLM_LORA_RANKS
 
 log = get_logger(__name__)
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
@@ -57,6 +58,8 @@ class DaemonSpec:
     """Engine seed."""
     gpu_ids: tuple[int, ...] = ()
     """GPUs for the engines (``engine_gpus``; their --gpu_ids); (): none named (CPU)."""
+    max_lora_rank: int = 0
+    """vLLM: the LoRA rank its engines serve adapters up to (--vllm.sync_adapters); 0: none."""
 
 
 def engine_gpus(*, engine_gpus: int, trainer_gpus: int, colocate: bool, visible: int,
@@ -95,7 +98,13 @@ def daemon_spec(cfg: Any) -> DaemonSpec:
                       tensor_parallel_size=v.tensor_parallel_size, dtype=DTYPES[cfg.ds.param_dtype],
                       max_model_len=cfg.max_len, gpu_memory_utilization=v.gpu_memory_utilization,
                       enable_prefix_caching=v.enable_prefix_caching, enforce_eager=v.enforce_eager,
-                      enable_sleep=v.enable_sleep, seed=cfg.train.seed)
+                      enable_sleep=v.enable_sleep, seed=cfg.train.seed,
+                      max_lora_rank=lora_rank_served(cfg.ds.lora.rank) if v.sync_adapters else 0)
+
+
+def lora_rank_served(rank: int) -> int:
+    """The smallest LoRA rank vLLM serves (its ``max_lora_rank`` values) that holds ``rank``."""
+    return next(r for r in VLLM_LORA_RANKS if r >= rank)
 
 
 def _free_port() -> int:
@@ -121,6 +130,8 @@ def serve_args(spec: DaemonSpec, endpoint: str) -> list[str]:
             args.append("--engine.enforce_eager")
         if spec.enable_sleep:
             args.append("--engine.enable_sleep_mode")
+        if spec.max_lora_rank:
+            args += ["--engine.max_lora_rank", str(spec.max_lora_rank)]
     return args
 
 

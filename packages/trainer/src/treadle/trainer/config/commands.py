@@ -36,7 +36,7 @@ from treadle.trainer.config.model import (
     SFTModelConfig,
 )
 from treadle.trainer.config.optim import AdamConfig, OptimizerConfig, check_muon
-from treadle.trainer.config.rollout import RolloutConfig, VLLMConfig
+from treadle.trainer.config.rollout import VLLM_LORA_RANKS, RolloutConfig, VLLMConfig
 from treadle.trainer.config.train import RLTrainConfig, TrainConfig
 
 
@@ -463,6 +463,15 @@ def _check_weight_sync(cfg: PPOConfig) -> None:
     """What ``--vllm.sync_backend`` cannot do whatever the machine (what needs CUDA is checked at
     start-up, ``trainers.ppo_build.sync_route``): refused, never replaced by another backend."""
     v = cfg.vllm
+    if v.sync_adapters and cfg.ds.lora.rank == 0:
+        raise ConfigError("--vllm.sync_adapters sends LoRA adapters: it needs --ds.lora.rank > 0")
+    if v.sync_adapters and cfg.ds.load_in_4bit:
+        raise ConfigError("--vllm.sync_adapters with --ds.load_in_4bit: the engines' base is the unquantized model, "
+                          "the trainer's the 4-bit one, so the adapter alone would not give the trained model there; "
+                          "drop --vllm.sync_adapters (merged weights are sent)")
+    if v.sync_adapters and v.backend == "vllm" and cfg.ds.lora.rank > VLLM_LORA_RANKS[-1]:
+        raise ConfigError(f"--vllm.sync_adapters: vLLM serves LoRA ranks up to {VLLM_LORA_RANKS[-1]}, "
+                          f"--ds.lora.rank is {cfg.ds.lora.rank}")
     if v.sync_backend == "nccl" and cfg.engines_colocated:
         raise ConfigError("--vllm.sync_backend nccl with --train.colocate_all: the engines share the trainer's GPUs and "
                           "NCCL cannot hold two processes of one GPU in a group; use --vllm.sync_backend gloo, or "

@@ -77,6 +77,9 @@ def _require_sync_host(endpoint: str, sync_host: str) -> None:
                           f"hosted on {sync_host}: set --vllm.sync_host to an address of this host they can reach")
 
 
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM takes (MaxLoRARanks)
+
+
 @configclass
 class VLLMConfig:
     """The vLLM engine pool that generates rollouts."""
@@ -98,6 +101,11 @@ class VLLMConfig:
     daemon has one engine GPU, else gloo (with --train.async_enable the engines have GPUs of their
     own: nccl). A backend that cannot work where the run is
     placed is refused, never replaced."""
+    sync_adapters: bool = False
+    """With --ds.lora.rank: each sync sends the LoRA adapter alone (megabytes), not the merged model;
+    the engines serve their base model with it (vLLM's enable_lora: a daemon the trainer starts gets
+    --engine.max_lora_rank, one of your own needs it; the hf backend through peft). vLLM generates
+    more slowly with an adapter than with merged weights."""
     sync_with_ray: bool = False
     """Send weights through Ray's object store (OpenRLHF's --vllm_sync_with_ray): not implemented,
     refused; weights go over --sync_backend."""
