@@ -195,9 +195,9 @@ def test_token_errors_and_tokenize(start_gateway, chat) -> None:
         assert json.loads(resp.read())["status"] == "ok"
     url = gw.url + "/v1/chat/completions"
     msgs = [{"role": "user", "content": "hi"}]
-    for body, code in [({"messages": msgs, "stream": True}, "unsupported_parameter"),
-                       ({"messages": msgs, "n": 2}, "unsupported_parameter"),
-                       ({"messages": msgs, "stop": ["x"]}, "unsupported_parameter"),
+    for body, code in [({"messages": msgs, "best_of": 2}, "unsupported_parameter"),
+                       ({"messages": msgs, "n": 200}, "invalid_request_error"),
+                       ({"messages": msgs, "stop": [1]}, "invalid_request_error"),
                        ({"messages": []}, "invalid_request_error"),
                        ({"messages": [{"role": "robot", "content": "x"}]}, "invalid_request_error"),
                        ({"messages": [{"role": "user", "content": "word " * 80}]}, "context_length_exceeded")]:

@@ -46,6 +46,21 @@ class TemplateError(ValueError):
     """The chat template cannot render what was asked (or not as a continuation)."""
 
 
+def refuse_non_text(content: Sequence[Any], where: str) -> None:
+    """``TemplateError`` unless every part of a list ``content`` is ``{"type": "text", "text": str}``.
+
+    treadle is text-only: image (vision) and audio parts are refused by name rather than dropped,
+    so that a multi-modal prompt never trains on a conversation missing its images.
+    """
+    for j, p in enumerate(content):
+        kind = p.get("type") if isinstance(p, dict) else type(p).__name__
+        if kind == "text" and isinstance(p.get("text"), str):
+            continue
+        what = "vision (image) input" if kind in ("image_url", "image", "input_image") else f"{kind!r} content"
+        raise TemplateError(f"{where}: content part {j} is {what}: treadle is text-only, multi-modal prompts "
+                            "(vision, audio) are not supported; send text parts only")
+
+
 def load_template(ref: str) -> str | None:
     """Template text for ``ref``: "" -> None (the tokenizer's own), a built-in name, or a file path."""
     if not ref:
@@ -97,6 +112,9 @@ class ChatFormat:
     def render(self, messages: Sequence[Message], *, tools: Sequence[dict[str, Any]] | None = None,
                add_generation_prompt: bool = True) -> str:
         """The chat template applied to ``messages`` (text, not tokens)."""
+        for i, m in enumerate(messages):
+            if isinstance(m, dict) and isinstance(m.get("content"), list):
+                refuse_non_text(m["content"], f"messages[{i}]")
         kw: dict[str, Any] = {"tokenize": False, "add_generation_prompt": add_generation_prompt}
         if tools:
             kw["tools"] = list(tools)

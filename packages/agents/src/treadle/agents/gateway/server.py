@@ -50,22 +50,36 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+import numpy as np
 from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST
 
+from treadle.agents.api import Message
 from treadle.agents.chat import ChatFormat, TemplateError
 from treadle.agents.gateway.config import GatewayConfig
+from treadle.agents.gateway.metrics import GatewayMetrics
 from treadle.agents.gateway.openai_api import (
+    Common,
     RequestError,
-    assistant_message,
-    completion,
     error_body,
-    logprob_entries,
     normalize_message,
     parse_chat,
+    parse_completion,
+)
+from treadle.agents.gateway.responses import (
+    Choice,
+    assistant_message,
+    chat_chunks,
+    chat_completion,
+    cut_at_stop,
+    sse,
+    text_chunks,
+    text_completion,
+    text_pieces,
 )
 from treadle.agents.gateway.session import Session
 from treadle.agents.jsonio import trajectory_to_json
-from treadle.agents.sampler import RolloutSampler, with_max_tokens
+from treadle.agents.sampler import RolloutSampler, Turn, with_max_tokens
 from treadle.agents.tools import parse_tool_calls
 from treadle.common.errors import TreadleError
 from treadle.common.log import get_logger
@@ -75,8 +89,8 @@ log = get_logger(__name__)
 OPEN_PATHS = frozenset({"/health"})
 
 
-def _json_error(status: int, message: str, code: str) -> web.Response:
-    return web.json_response(error_body(message, code), status=status)
+def _json_error(status: int, message: str, code: str, param: str | None = None) -> web.Response:
+    return web.json_response(error_body(message, code, param), status=status)
 
 
 def text_chars(value: Any) -> int:
@@ -105,6 +119,7 @@ class Gateway:
         self.model_name = cfg.served_model_name or Path(cfg.model).name
         self.sessions: OrderedDict[str, Session] = OrderedDict()
         self.counters = {"requests": 0, "sessions": 0, "drift": 0, "failed": 0}
+        self.metrics = GatewayMetrics()
         self.url = ""
         self._rollout: Any = rollout
         self._owns_rollout = rollout is None  # a client handed in is its owner's to close
@@ -157,17 +172,37 @@ class Gateway:
                 self.sessions.pop(sid, None)
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[self._auth, self._errors], client_max_size=64 << 20)
+        app = web.Application(middlewares=[self._measure, self._auth, self._errors], client_max_size=64 << 20)
         app.add_routes([
             web.get("/health", self.health), web.get("/v1/models", self.models),
             web.post("/v1/chat/completions", self.chat_completions), web.post("/tokenize", self.tokenize),
             web.post("/detokenize", self.detokenize), web.get("/v1/sessions", self.list_sessions),
             web.get("/v1/sessions/{sid}", self.get_session), web.post("/v1/sessions/{sid}/finish", self.finish),
             web.delete("/v1/sessions/{sid}", self.delete_session),
-            web.post("/s/{sid}/v1/chat/completions", self.chat_completions), web.get("/s/{sid}/v1/models", self.models)])
+            web.post("/v1/completions", self.completions), web.get("/metrics", self.metrics_route),
+            web.post("/s/{sid}/v1/chat/completions", self.chat_completions),
+            web.post("/s/{sid}/v1/completions", self.completions), web.get("/s/{sid}/v1/models", self.models)])
         return app
 
     # ------------------------------------------------------------------ middlewares
+
+    @web.middleware
+    async def _measure(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        """Count every request by route and status, and time it (Prometheus, ``/metrics``)."""
+        route = request.match_info.route.resource
+        name = route.canonical if route is not None else "unmatched"
+        start = time.perf_counter()
+        status = 500
+        try:
+            resp = await handler(request)
+            status = resp.status
+            return resp
+        except web.HTTPException as e:
+            status = e.status
+            raise
+        finally:
+            self.metrics.requests.labels(route=name, status=str(status)).inc()
+            self.metrics.seconds.labels(route=name).observe(time.perf_counter() - start)
 
     @web.middleware
     async def _auth(self, request: web.Request, handler: Any) -> web.StreamResponse:
@@ -188,7 +223,7 @@ class Gateway:
             return web.json_response(error_body(e.text or e.reason, e.reason.lower().replace(" ", "_")),
                                      status=e.status, headers=keep)
         except RequestError as e:
-            return _json_error(e.status, str(e), e.code)
+            return _json_error(e.status, str(e), e.code, e.param)
         except TemplateError as e:
             return _json_error(400, str(e), "chat_template_error")
         except TreadleError as e:
@@ -261,55 +296,163 @@ class Gateway:
     def _session(self, sid: str) -> Session:
         s = self.sessions.get(sid)
         if s is None:
-            s = self.sessions[sid] = Session(sid)
-            self.counters["sessions"] += 1
-            while len(self.sessions) > self.cfg.max_sessions:
-                self.sessions.popitem(last=False)
+            s = Session(sid)
+            self._register(s)
         self.sessions.move_to_end(sid)
         return s
 
-    async def chat_completions(self, request: web.Request) -> web.Response:
-        req = parse_chat(await self._body(request), request.headers.get("X-Session-Id"))
-        self._check_size(text_chars([req.messages, req.tools]))
-        self.counters["requests"] += 1
-        sid = request.match_info.get("sid") or req.session_id or uuid.uuid4().hex
-        session = self._session(sid)
-        async with session.lock:  # held across the thread hop: nothing else touches this session meanwhile
-            prep = await self._off_loop(session.prepare, req.messages, req.tools, self.chat)
-            room = self.cfg.max_length - prep.prompt.shape[0]
-            if room <= 0:
-                raise RequestError(f"the session has {prep.prompt.shape[0]} tokens; max_length is "
-                                   f"{self.cfg.max_length}", code="context_length_exceeded")
-            if session.forced is None:
-                sampling, max_tokens = req.sampling, min(req.max_tokens or self.cfg.default_max_tokens, room)
-            else:  # the owner's sampling; its max_tokens caps what the agent asks for
-                cap = session.forced.max_tokens
-                sampling, max_tokens = session.forced, min(req.max_tokens or cap, cap, room)
-            assert self._sampler is not None
-            turn = await self._sampler.sample(prep.prompt, with_max_tokens(sampling, max_tokens),
-                                              key=f"{sid}:{session.turns}")
-            text = self.chat.decode(turn.token_ids)
-            parse = req.parse_tools and self.cfg.tool_parser == "hermes"
-            content, calls = parse_tool_calls(text) if parse else (text, [])
-            reply = assistant_message(content, calls)
-            session.commit(prep, turn, reply)
+    def _sampling(self, session: Session, common: Common, room: int) -> tuple[SamplingParams, int]:
+        if session.forced is None:
+            return common.sampling, min(common.max_tokens or self.cfg.default_max_tokens, room)
+        cap = session.forced.max_tokens  # the owner's sampling; its max_tokens caps what the agent asks for
+        return session.forced, min(common.max_tokens or cap, cap, room)
+
+    def _choice_ids(self, sid: str, session: Session, n: int) -> list[str]:
+        """Session ids the choices are recorded in: the request's for n = 1, ``{sid}-n{i}`` forks for n > 1."""
+        if n == 1:
+            return [sid]
+        ids = [f"{sid}-n{i}" for i in range(n)]
+        taken = [c for c in ids if c in self.sessions]
+        if taken:
+            raise RequestError(f"session {taken[0]} (a choice of an earlier n > 1 request in session {sid}) is still "
+                               "open: finish or delete it, or use another session_id", code="session_exists", status=409)
+        return ids
+
+    async def _sample(self, session: Session, prompt: np.ndarray, common: Common, key: str) -> list[Turn]:
+        """``common.n`` turns for ``prompt`` (choice i with seed + i when a seed is set, so choices differ)."""
+        room = self.cfg.max_length - prompt.shape[0]
+        if room <= 0:
+            raise RequestError(f"the session has {prompt.shape[0]} tokens; max_length is {self.cfg.max_length}",
+                               code="context_length_exceeded", param="messages")
+        sampling, max_tokens = self._sampling(session, common, room)
+        assert self._sampler is not None
+
+        def nth(i: int) -> SamplingParams:
+            sp = with_max_tokens(sampling, max_tokens)
+            return sp if sp.seed is None or i == 0 else msgspec.structs.replace(sp, seed=sp.seed + i)
+
+        return list(await asyncio.gather(*(self._sampler.sample(prompt, nth(i), key=key if common.n == 1 else f"{key}.c{i}")
+                                           for i in range(common.n))))
+
+    def _choice(self, turn: Turn, stops: tuple[str, ...], parse_tools: bool, pieces: bool) -> tuple[Choice, Turn]:
+        """What the client sees of ``turn`` and the turn the session records (cut at a stop string)."""
         ids = turn.token_ids.tolist()
-        extra: dict[str, Any] = {"session_id": sid, "weight_version": max(turn.versions)}
+        cut = cut_at_stop(self.chat.decode, ids, stops) if stops else None
+        if cut is None:
+            text = self.chat.decode(ids)
+        else:  # the tokens past the stop string are dropped, as an engine checking stop strings would not sample them
+            k, text = cut
+            ids = ids[:k]
+            turn = Turn(token_ids=turn.token_ids[:k], logprobs=turn.logprobs[:k], versions=turn.versions,
+                        finish_reason="stop_string")
+        content, calls = parse_tool_calls(text) if parse_tools else (text, [])
+        finish = "tool_calls" if calls else ("length" if turn.finish_reason == "length" else "stop")
+        return Choice(text=content, token_ids=ids, logprobs=turn.logprobs.tolist(),
+                      token_texts=[self.chat.token_text(t) for t in ids],
+                      pieces=text_pieces(self.chat.decode, ids, content) if pieces else [],
+                      calls=calls, finish_reason=finish), turn
+
+    def _record(self, sid: str, session: Session, prep: Any, names: list[str], turns: list[Turn],
+                replies: list[Message | None]) -> None:
+        """Commit each choice to its session (forks of ``session`` for n > 1; see ``_choice_ids``)."""
+        if len(names) == 1:
+            session.commit(prep, turns[0], replies[0])
+            return
+        for name, turn, reply in zip(names, turns, replies, strict=True):
+            child = session.fork(name)
+            child.commit(prep, turn, reply)
+            self._register(child)
+        if not session.segments:  # a fresh session: its choices are the sessions
+            self.sessions.pop(sid, None)
+
+    def _register(self, s: Session) -> None:
+        self.sessions[s.id] = s
+        self.counters["sessions"] += 1
+        while len(self.sessions) > self.cfg.max_sessions:
+            self.sessions.popitem(last=False)
+
+    def _extras(self, sid: str, names: list[str], prep: Any, turns: list[Turn], common: Common,
+                ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        top: dict[str, Any] = {"session_id": sid, "weight_version": max(v for t in turns for v in t.versions)}
         if prep.drift is not None:
             self.counters["drift"] += 1
-            extra["drift"] = prep.drift
+            self.metrics.drift.inc()
+            top["drift"] = prep.drift
             log.debug("session %s drift: %s", sid, prep.drift)
-        if req.return_token_ids:
-            extra["prompt_token_ids"] = prep.prompt.tolist()
-        lps = (logprob_entries([self.chat.token_text(t) for t in ids], turn.logprobs.tolist(), req.top_logprobs)
-               if req.logprobs else None)
-        finish = "tool_calls" if calls else ("length" if turn.finish_reason == "length" else "stop")
-        body = completion(model=req.model or self.model_name, message=reply, finish_reason=finish,
-                          prompt_tokens=int(prep.prompt.shape[0]), completion_tokens=len(ids), logprobs=lps,
-                          extra=extra)
-        if req.return_token_ids:
-            body["choices"][0]["token_ids"] = ids
-        return web.json_response(body)
+        if common.return_token_ids:
+            top["prompt_token_ids"] = prep.prompt.tolist()
+        return [{"session_id": n} if common.n > 1 else {} for n in names], top
+
+    async def _respond(self, request: web.Request, common: Common, body: dict[str, Any] | None,
+                       chunks: Any, prompt_tokens: int, choices: list[Choice]) -> web.StreamResponse:
+        self.metrics.prompt_tokens.inc(prompt_tokens)
+        self.metrics.completion_tokens.inc(sum(len(c.token_ids) for c in choices))
+        if not common.stream:
+            return web.json_response(body)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        for chunk in chunks:
+            await resp.write(sse(chunk))
+        await resp.write(sse("[DONE]"))
+        await resp.write_eof()
+        return resp
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        req = parse_chat(await self._body(request), request.headers.get("X-Session-Id"))
+        common = req.common
+        self._check_size(text_chars([req.messages, req.tools]))
+        self.counters["requests"] += 1
+        sid = request.match_info.get("sid") or common.session_id or uuid.uuid4().hex
+        session = self._session(sid)
+        async with session.lock:  # held across the thread hop: nothing else touches this session meanwhile
+            names = self._choice_ids(sid, session, common.n)
+            prep = await self._off_loop(session.prepare, req.messages, req.tools, self.chat)
+            turns = await self._sample(session, prep.prompt, common, f"{sid}:{session.turns}")
+            parse = req.parse_tools and self.cfg.tool_parser == "hermes"
+            made = [await self._off_loop(self._choice, t, common.stop, parse, common.stream) for t in turns]
+            choices, recorded = [c for c, _ in made], [t for _, t in made]
+            self._record(sid, session, prep, names, recorded, [assistant_message(c.text, c.calls) for c in choices])
+        extra, top = self._extras(sid, names, prep, recorded, common)
+        kw = {"model": common.model or self.model_name, "choices": choices, "logprobs": req.logprobs,
+              "top": req.top_logprobs, "prompt_tokens": int(prep.prompt.shape[0]), "token_ids": common.return_token_ids,
+              "extra": extra, "top_extra": top}
+        if common.stream:
+            return await self._respond(request, common, None, chat_chunks(include_usage=common.include_usage, **kw),
+                                       kw["prompt_tokens"], choices)
+        return await self._respond(request, common, chat_completion(**kw), None, kw["prompt_tokens"], choices)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        req = parse_completion(await self._body(request), request.headers.get("X-Session-Id"))
+        common = req.common
+        if isinstance(req.prompt, str):
+            self._check_size(len(req.prompt))
+            prompt = await self._off_loop(self.chat.encode, req.prompt)
+        else:
+            self._check_size(len(req.prompt), "prompt tokens")
+            prompt = np.asarray(req.prompt, dtype=np.int32)
+        self.counters["requests"] += 1
+        sid = request.match_info.get("sid") or common.session_id or uuid.uuid4().hex
+        session = self._session(sid)
+        async with session.lock:
+            names = self._choice_ids(sid, session, common.n)
+            prep = session.prepare_tokens(prompt)
+            turns = await self._sample(session, prep.prompt, common, f"{sid}:{session.turns}")
+            pieces = common.stream or req.logprobs
+            made = [await self._off_loop(self._choice, t, common.stop, False, pieces) for t in turns]
+            choices, recorded = [c for c, _ in made], [t for _, t in made]
+            self._record(sid, session, prep, names, recorded, [None] * len(turns))
+        extra, top = self._extras(sid, names, prep, recorded, common)
+        kw = {"model": common.model or self.model_name, "choices": choices, "logprobs": req.logprobs,
+              "prompt_tokens": int(prep.prompt.shape[0]), "token_ids": common.return_token_ids, "extra": extra,
+              "top_extra": top}
+        if common.stream:
+            return await self._respond(request, common, None, text_chunks(include_usage=common.include_usage, **kw),
+                                       kw["prompt_tokens"], choices)
+        return await self._respond(request, common, text_completion(**kw), None, kw["prompt_tokens"], choices)
+
+    async def metrics_route(self, request: web.Request) -> web.Response:
+        self.metrics.sessions.set(len(self.sessions))
+        return web.Response(body=self.metrics.registry.exposition(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def tokenize(self, request: web.Request) -> web.Response:
         body = await self._body(request)

@@ -24,6 +24,7 @@ Not here: HTTP (``server``), request parsing (``openai_api``).
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import time
 from dataclasses import dataclass
@@ -94,7 +95,7 @@ class Session:
     def prepare(self, messages: list[Message], tools: list[dict[str, Any]] | None, chat: ChatFormat) -> Prepared:
         canon = [canonical(m) for m in messages]
         k = len(self.history)
-        if not (self.segments and len(canon) > k and canon[:k] == self.history):
+        if not (self.segments and k and len(canon) > k and canon[:k] == self.history):
             drift = None
             if self.segments:
                 same = [a == b for a, b in zip(canon, self.history, strict=False)]
@@ -114,8 +115,26 @@ class Session:
                      "recorded": int(recorded.shape[0]), "rendered": int(rendered.shape[0])}
         return Prepared(prompt=np.concatenate([recorded, obs]), observation=obs, canon=canon, drift=drift)
 
-    def commit(self, p: Prepared, turn: Turn, reply: Message) -> None:
-        """Record the request's tokens and the sampled reply."""
+    def prepare_tokens(self, prompt: np.ndarray) -> Prepared:
+        """A completions request's prompt ids: they extend the last segment when its recorded tokens
+        are their prefix (the tokens past it become an observation), else a new segment starts."""
+        if self.segments:
+            recorded = self.segments[-1].tokens()
+            if prompt.shape[0] >= recorded.shape[0] and first_mismatch(recorded, prompt) == recorded.shape[0]:
+                return Prepared(prompt=prompt, observation=prompt[recorded.shape[0]:], canon=[], drift=None)
+        drift = None if not self.segments else {"kind": "tokens", "turn": self.turns, "segment": len(self.segments),
+                                                "at_token": first_mismatch(self.segments[-1].tokens(), prompt)}
+        return Prepared(prompt=prompt, observation=None, canon=[], drift=drift)
+
+    def fork(self, session_id: str) -> Session:
+        """A copy of this session's recorded state under another id (one per choice of an n > 1 request)."""
+        s = Session(session_id)
+        s.segments, s.finish = copy.deepcopy(self.segments), list(self.finish)
+        s.drift, s.history, s.last, s.turns, s.forced = list(self.drift), list(self.history), self.last, self.turns, self.forced
+        return s
+
+    def commit(self, p: Prepared, turn: Turn, reply: Message | None) -> None:
+        """Record the request's tokens and the sampled reply (None: a completions request, no messages)."""
         if p.observation is None:
             self.segments.append(EpisodeBuilder(p.prompt))
             self.finish.append("stop")
@@ -125,7 +144,7 @@ class Session:
         self.finish[-1] = turn.finish_reason
         if p.drift is not None:
             self.drift.append(p.drift)
-        self.history = [*p.canon, canonical(reply)]
+        self.history = [*p.canon, canonical(reply)] if reply is not None else []
         self.last = turn
         self.turns += 1
         self.last_used = time.monotonic()

@@ -1,0 +1,205 @@
+"""OpenAI response bodies and server-sent-event chunks for the gateway (pure: values in, dicts out).
+
+A ``Choice`` is one finished sample as the client sees it: its text (cut before a stop string),
+its token ids (up to and including the token that completed the stop string: what the policy
+sampled and the session records), their logprobs, tool calls, and OpenAI's finish reason.
+
+Streaming (``chat_chunks``, ``text_chunks``) follows OpenAI's order: per choice, a first chunk
+with the role, then one chunk per sampled token (its text delta and, when asked, its logprob
+entry), then one with the finish reason; then, with ``stream_options.include_usage``, a chunk
+with empty ``choices`` and the usage; the caller ends the stream with ``data: [DONE]``. The
+text of a token that ends inside a multi-byte character is held back until the character is
+complete, so the deltas concatenate to the choice's text. A reply with tool calls streams its
+content and its ``tool_calls`` as one delta each.
+
+Not here: parsing (``openai_api``), HTTP (``server``).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from treadle.agents.api import Message
+from treadle.agents.tools import ToolCall
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Choice:
+    text: str
+    """The reply's text: the decoded tokens, cut before the first stop string."""
+    token_ids: list[int]
+    """The sampled tokens the session records (up to the one completing a stop string)."""
+    logprobs: list[float]
+    token_texts: list[str]
+    """Each token's own text (``ChatFormat.token_text``), for logprob entries."""
+    pieces: list[str]
+    """Each token's text delta; ``"".join(pieces) == text`` (``text_pieces``)."""
+    calls: list[ToolCall]
+    finish_reason: str
+    """OpenAI's: "stop", "length" or "tool_calls"."""
+
+
+def cut_at_stop(decode: Callable[[Sequence[int]], str], ids: Sequence[int], stops: Sequence[str]) -> tuple[int, str] | None:
+    """Where the first stop string ends a sample: ``(k, text)`` or None when none occurs.
+
+    ``text`` is the decoded sample up to (not including) the earliest occurrence of any string in
+    ``stops``; ``k`` is the fewest leading tokens whose text covers that occurrence entirely, so
+    ``ids[:k]`` is what an engine that checks stop strings after each token would have sampled.
+    """
+    full = decode(ids)
+    hits = [(full.find(s), s) for s in stops if s in full]
+    if not hits:
+        return None
+    pos, stop = min(hits)
+    end = pos + len(stop)
+    for k in range(1, len(ids) + 1):
+        prefix = decode(ids[:k])
+        if len(prefix) >= end and prefix[pos:end] == stop:
+            return k, full[:pos]
+    return len(ids), full[:pos]
+
+
+def text_pieces(decode: Callable[[Sequence[int]], str], ids: Sequence[int], text: str) -> list[str]:
+    """One text delta per token, concatenating to ``text`` (a prefix of ``decode(ids)``).
+
+    A prefix whose decoding ends in U+FFFD (a character split across tokens) is held back until a
+    later token completes it; the last token gets whatever is left.
+    """
+    out, done = [], 0
+    for k in range(1, len(ids) + 1):
+        prefix = text if k == len(ids) else decode(ids[:k])[:len(text)]
+        if not text.startswith(prefix) or len(prefix) < done or (k < len(ids) and prefix.endswith("\ufffd")):
+            out.append("")  # held back: a split character, or a decoder whose prefixes are not the text's
+            continue
+        out.append(prefix[done:])
+        done = len(prefix)
+    return out
+
+
+def logprob_entry(tok: str, lp: float, top: int) -> dict[str, Any]:
+    entry = {"token": tok, "logprob": lp, "bytes": list(tok.encode("utf-8"))}
+    entry["top_logprobs"] = [dict(entry)] if top > 0 else []
+    return entry
+
+
+def logprob_entries(tokens: list[str], logprobs: list[float], top: int) -> list[dict[str, Any]]:
+    return [logprob_entry(t, lp, top) for t, lp in zip(tokens, logprobs, strict=True)]
+
+
+def assistant_message(content: str, calls: list[ToolCall]) -> Message:
+    """The reply's message: content (None when only tool calls), tool_calls when any."""
+    msg: Message = {"role": "assistant", "content": content if (content or not calls) else None}
+    if calls:
+        msg["tool_calls"] = [c.openai() for c in calls]
+    return msg
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def chat_completion(*, model: str, choices: list[Choice], logprobs: bool, top: int, prompt_tokens: int,
+                    token_ids: bool, extra: list[dict[str, Any]], top_extra: dict[str, Any]) -> dict[str, Any]:
+    """A chat.completion object; ``extra[i]`` is merged into choice i, ``top_extra`` at the top level."""
+    out = []
+    for i, c in enumerate(choices):
+        lps = {"content": logprob_entries(c.token_texts, c.logprobs, top), "refusal": None} if logprobs else None
+        ch = {"index": i, "message": assistant_message(c.text, c.calls), "finish_reason": c.finish_reason,
+              "logprobs": lps, **extra[i]}
+        if token_ids:
+            ch["token_ids"] = c.token_ids
+        out.append(ch)
+    return {"id": new_id("chatcmpl"), "object": "chat.completion", "created": int(time.time()), "model": model,
+            "choices": out, "usage": usage(prompt_tokens, sum(len(c.token_ids) for c in choices)), **top_extra}
+
+
+def _text_logprobs(c: Choice, offset: int) -> dict[str, Any]:
+    offsets, at = [], offset
+    for p in c.pieces:
+        offsets.append(at)
+        at += len(p)
+    return {"tokens": c.token_texts, "token_logprobs": c.logprobs,
+            "top_logprobs": [{t: lp} for t, lp in zip(c.token_texts, c.logprobs, strict=True)], "text_offset": offsets}
+
+
+def text_completion(*, model: str, choices: list[Choice], logprobs: bool, prompt_tokens: int, token_ids: bool,
+                    extra: list[dict[str, Any]], top_extra: dict[str, Any]) -> dict[str, Any]:
+    """A text_completion object (``/v1/completions``)."""
+    out = []
+    for i, c in enumerate(choices):
+        ch = {"index": i, "text": c.text, "finish_reason": c.finish_reason,
+              "logprobs": _text_logprobs(c, 0) if logprobs else None, **extra[i]}
+        if token_ids:
+            ch["token_ids"] = c.token_ids
+        out.append(ch)
+    return {"id": new_id("cmpl"), "object": "text_completion", "created": int(time.time()), "model": model,
+            "choices": out, "usage": usage(prompt_tokens, sum(len(c.token_ids) for c in choices)), **top_extra}
+
+
+def sse(obj: dict[str, Any] | str) -> bytes:
+    """One server-sent event: ``data: <json>`` (or the literal ``[DONE]``) and a blank line."""
+    return f"data: {obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)}\n\n".encode()
+
+
+def chat_chunks(*, model: str, choices: list[Choice], logprobs: bool, top: int, prompt_tokens: int,
+                include_usage: bool, token_ids: bool, extra: list[dict[str, Any]],
+                top_extra: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """chat.completion.chunk objects for ``choices`` (see the module docstring)."""
+    head = {"id": new_id("chatcmpl"), "object": "chat.completion.chunk", "created": int(time.time()), "model": model}
+
+    def chunk(i: int, delta: dict[str, Any], finish: str | None = None, **more: Any) -> dict[str, Any]:
+        return {**head, "choices": [{"index": i, "delta": delta, "logprobs": None, "finish_reason": finish, **more}],
+                **top_extra}
+
+    for i, c in enumerate(choices):
+        yield chunk(i, {"role": "assistant", "content": ""})
+        if c.calls:
+            msg = assistant_message(c.text, c.calls)
+            lp = {"content": logprob_entries(c.token_texts, c.logprobs, top), "refusal": None} if logprobs else None
+            more = {"token_ids": c.token_ids} if token_ids else {}
+            yield chunk(i, {"content": msg["content"], "tool_calls": [{"index": j, **tc} for j, tc
+                                                                        in enumerate(msg["tool_calls"])]},
+                        logprobs=lp, **more)
+        else:
+            for tok, lp, piece, tid in zip(c.token_texts, c.logprobs, c.pieces, c.token_ids, strict=True):
+                ch = chunk(i, {"content": piece})
+                if logprobs:
+                    ch["choices"][0]["logprobs"] = {"content": [logprob_entry(tok, lp, top)], "refusal": None}
+                if token_ids:
+                    ch["choices"][0]["token_ids"] = [tid]
+                yield ch
+        yield chunk(i, {}, c.finish_reason, **extra[i])
+    if include_usage:
+        yield {**head, "choices": [], "usage": usage(prompt_tokens, sum(len(c.token_ids) for c in choices)),
+               **top_extra}
+
+
+def text_chunks(*, model: str, choices: list[Choice], logprobs: bool, prompt_tokens: int, include_usage: bool,
+                token_ids: bool, extra: list[dict[str, Any]], top_extra: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """text_completion chunks for ``choices``: one per token, then the finish reason, then usage."""
+    head = {"id": new_id("cmpl"), "object": "text_completion", "created": int(time.time()), "model": model}
+    for i, c in enumerate(choices):
+        at = 0
+        for tok, lp, piece, tid in zip(c.token_texts, c.logprobs, c.pieces, c.token_ids, strict=True):
+            ch = {"index": i, "text": piece, "finish_reason": None,
+                  "logprobs": {"tokens": [tok], "token_logprobs": [lp], "top_logprobs": [{tok: lp}],
+                               "text_offset": [at]} if logprobs else None}
+            if token_ids:
+                ch["token_ids"] = [tid]
+            at += len(piece)
+            yield {**head, "choices": [ch], **top_extra}
+        yield {**head, "choices": [{"index": i, "text": "", "finish_reason": c.finish_reason, "logprobs": None,
+                                    **extra[i]}], **top_extra}
+    if include_usage:
+        yield {**head, "choices": [], "usage": usage(prompt_tokens, sum(len(c.token_ids) for c in choices)),
+               **top_extra}
