@@ -80,8 +80,9 @@ def test_stop_string_cuts_the_reply_and_the_recorded_tokens(gateway, chat) -> No
     assert stop in chat.decode(kept)[text.find(stop):] and stop not in chat.decode(kept[:-1])[text.find(stop):]
     # the next turn: the recorded tokens are the cut ones, then the whole closing text (no stop token was sampled)
     messages = [*USER, cut.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "More."}]
-    client.chat.completions.create(model="tiny", messages=messages, temperature=0, max_tokens=4,
-                                   extra_body=extra("stop-1"))
+    nxt = client.chat.completions.create(model="tiny", messages=messages, temperature=0, max_tokens=4,
+                                         extra_body=extra("stop-1"))
+    assert nxt.model_extra["drift"]["kind"] == "render"  # the recorded tokens hold the stop string, the text not
     [t] = SyncGatewayClient(gateway.url).finish("stop-1", reward=0.0)
     (a0, b0), (a1, _) = t.info["spans"]
     assert t.response_token_ids[a0:b0].tolist() == kept
@@ -230,3 +231,13 @@ def test_cut_at_stop_and_text_pieces_by_hand() -> None:
     assert text_pieces(dec, ids, "abc") == ["a", "b", "c", "", "", "", "", ""]
     split = [ord("a"), 0xFFFD0, 0x301, ord("b")]  # "a", then "é" over two tokens, then "b"
     assert dec(split) == "aéb" and text_pieces(dec, split, "aéb") == ["a", "", "é", "b"]
+
+
+def test_n_is_refused_in_a_trainer_owned_session(gateway) -> None:
+    async def open_session() -> None:
+        gateway.gateway.open_session("owned-1", SamplingParams(max_tokens=4))
+
+    gateway.run(open_session())
+    with pytest.raises(openai.BadRequestError) as e:
+        oai(gateway).chat.completions.create(model="tiny", messages=USER, n=2, extra_body={"session_id": "owned-1"})
+    assert e.value.param == "n" and "trainer" in e.value.message

@@ -5,8 +5,13 @@ Routes (aiohttp)::
     GET  /health                      {"status": "ok" | "degraded", "rollout": ..., "sessions": N}; no token needed
     GET  /v1/models                   the served model (id, max_model_len)
     POST /v1/chat/completions         OpenAI chat completions (``openai_api``): logprobs, tool calls
-                                      (Hermes <tool_call> blocks parsed into ``tool_calls``), plus
-                                      "session_id", "weight_version" and, on drift, "drift"
+                                      (Hermes <tool_call> blocks parsed into ``tool_calls``), stop strings,
+                                      n, stream (server-sent events, ``responses``), plus "session_id",
+                                      "weight_version" and, on drift, "drift"
+    POST /v1/completions              OpenAI (legacy) completions: a text or token-id prompt, recorded in a
+                                      session as tokens (it extends the session when the recorded tokens
+                                      are its prefix)
+    GET  /metrics                     Prometheus text format (``metrics``)
     POST /tokenize                    {"messages", "tools"?, "add_generation_prompt"?} or {"prompt"}
                                       -> {"tokens", "count", "max_model_len"} (vLLM's shape)
     POST /detokenize                  {"tokens"} -> {"prompt"}
@@ -15,14 +20,24 @@ Routes (aiohttp)::
     POST /v1/sessions/{id}/finish     body {"reward"?, "score"?, "extra_logs"?, "group_id"?, "info"?}:
                                       the same, with the reward set; the session is closed
     DELETE /v1/sessions/{id}          drop a session
-    POST /s/{id}/v1/chat/completions  the same chat route bound to session {id} by its path, so that an
-    GET  /s/{id}/v1/models            unmodified OpenAI client given base_url .../s/{id}/v1 stays in it
+    POST /s/{id}/v1/chat/completions  the same chat and completions routes bound to session {id} by its
+    POST /s/{id}/v1/completions       path, so that an unmodified OpenAI client given base_url
+    GET  /s/{id}/v1/models            .../s/{id}/v1 stays in it
 
 Each request names its session with ``session_id`` in the body (OpenAI clients: ``extra_body``)
 or the ``X-Session-Id`` header; without one, the request starts a fresh session whose id the
 response carries. Requests of one session are served one at a time (a per-session lock);
 sessions idle longer than ``session_ttl_s`` (or beyond ``max_sessions``, least recently used
-first) are dropped. With a bearer token every route but /health needs
+first) are dropped.
+
+Token in, token out, whatever the request shape: the tokens a session records are the ones the
+engine sampled and the client was shown. A stop string cuts the reply before it (OpenAI's text)
+and the recorded tokens after the token that completed it (what an engine checking stop strings
+would have sampled; the pool samples on, the gateway drops the rest). A streamed reply is
+sampled whole, then sent token by token: the rollout pool answers per sample, not per token, so
+streaming changes the shape of the answer, not its latency. ``n > 1`` forks the session: choice
+i is recorded in session ``{id}-n{i}`` (a copy of the session's tokens plus that choice), which
+the client continues or finishes like any other; a fresh session's parent is dropped. With a bearer token every route but /health needs
 ``Authorization: Bearer TOKEN``. Errors are OpenAI-style JSON: 400 malformed, 401 token, 404
 unknown session, 413 more text than ``max_tokenize_chars``, 503 when the rollout pool cannot
 serve (retry), 500 otherwise.
@@ -311,6 +326,9 @@ class Gateway:
         """Session ids the choices are recorded in: the request's for n = 1, ``{sid}-n{i}`` forks for n > 1."""
         if n == 1:
             return [sid]
+        if session.forced is not None:
+            raise RequestError("n > 1 in a session a trainer opened: the trainer records one trajectory per episode "
+                               "(send one request per sample)", code="unsupported_parameter", param="n")
         ids = [f"{sid}-n{i}" for i in range(n)]
         taken = [c for c in ids if c in self.sessions]
         if taken:
