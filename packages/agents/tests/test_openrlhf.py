@@ -45,6 +45,18 @@ def test_openrlhf_file_runs_natively_token_by_token(aio, sampler, chat) -> None:
     assert t.extra_logs == {"step_idx": 3.0, "obs_len": float(obs_len_last)}
 
 
+def test_a_chat_prompt_reaches_the_file_as_templated_text(aio, sampler, chat) -> None:
+    """With --data.apply_chat_template the dataset's prompt is messages; OpenRLHF's agent files get
+    it templated (text), as its PromptDataset gives it: OpenRLHF's own agent_func.py returns
+    states["observation"] from reset, which must be the str treadle's reset requires."""
+    messages = [{"role": "user", "content": "what is 6 * 7?"}]
+    text = chat.render(messages)
+    for name in ("agent_func.py", "agent_func_override.py"):  # native and overridden execute
+        t = aio(executor(name, sampler, chat).run(Episode(prompt=messages, label="42")))
+        assert t.finish_reason != "error", (name, t.info)
+        assert t.prompt_token_ids.tolist() == chat.tokenizer(text, add_special_tokens=False)["input_ids"], name
+
+
 def test_overridden_execute_matches_the_native_run(aio, sampler, chat) -> None:
     ep = Episode(prompt=PROMPT, label="42")
     native = aio(executor("agent_func.py", sampler, chat).run(ep))

@@ -20,6 +20,7 @@ written for OpenRLHF:
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib.util
 import logging
@@ -266,6 +267,11 @@ class AgentFileExecutor(MultiTurnExecutor):
         self.path = str(path)
 
     async def _play(self, st: EpisodeState) -> Trajectory:
+        if not isinstance(st.episode.prompt, str):
+            # OpenRLHF's dataset hands agent files the prompt as text, chat template applied
+            # (--data.apply_chat_template); its AgentInstance.reset returns text
+            st.episode = dataclasses.replace(st.episode, prompt=self.chat.render(st.episode.prompt,
+                                                                                 tools=st.episode.tools))
         if self.native:
             return await super()._play(st)
         ep = st.episode
