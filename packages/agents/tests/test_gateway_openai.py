@@ -241,3 +241,19 @@ def test_n_is_refused_in_a_trainer_owned_session(gateway) -> None:
     with pytest.raises(openai.BadRequestError) as e:
         oai(gateway).chat.completions.create(model="tiny", messages=USER, n=2, extra_body={"session_id": "owned-1"})
     assert e.value.param == "n" and "trainer" in e.value.message
+
+
+def test_streamed_tool_call(gateway, warm) -> None:
+    from treadle.agents.envs.arithmetic import CALCULATOR_TOOL, question
+
+    msgs = [{"role": "user", "content": question(warm.ARITH_EXPR)}]
+    chunks = list(oai(gateway).chat.completions.create(model="tiny", messages=msgs, tools=[CALCULATOR_TOOL],
+                                                       temperature=0, max_tokens=64, stream=True,
+                                                       extra_body=extra("tool-stream-1")))
+    calls = [tc for c in chunks for tc in (c.choices[0].delta.tool_calls or [])]
+    assert [(tc.index, tc.function.name) for tc in calls] == [(0, "calculator")]
+    assert json.loads(calls[0].function.arguments) == {"expression": warm.ARITH_EXPR}
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    ids = [t for c in chunks for t in (c.choices[0].model_extra.get("token_ids") or [])]
+    [t] = SyncGatewayClient(gateway.url).trajectories("tool-stream-1")
+    assert t.response_token_ids.tolist() == ids and len(ids) > 0
