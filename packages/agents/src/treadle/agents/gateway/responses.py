@@ -12,7 +12,7 @@ text of a token that ends inside a multi-byte character is held back until the c
 complete, so the deltas concatenate to the choice's text. A reply with tool calls streams its
 content and its ``tool_calls`` as one delta each.
 
-Not here: parsing (``openai_api``), HTTP (``server``).
+Not here: parsing (``openai_api``), HTTP and sessions (``server``).
 """
 
 from __future__ import annotations
@@ -24,8 +24,12 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from treadle.agents.api import Message
-from treadle.agents.tools import ToolCall
+from treadle.agents.chat import ChatFormat
+from treadle.agents.sampler import Turn
+from treadle.agents.tools import ToolCall, parse_tool_calls
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -79,6 +83,28 @@ def text_pieces(decode: Callable[[Sequence[int]], str], ids: Sequence[int], text
         out.append(prefix[done:])
         done = len(prefix)
     return out
+
+
+def make_choice(chat: ChatFormat, turn: Turn, stops: Sequence[str], parse_tools: bool,
+                pieces: bool) -> tuple[Choice, Turn]:
+    """What the client sees of ``turn`` and the turn the session records (cut at a stop string,
+    finish reason "stop_string": no stop token ended it, so the next turn closes it whole).
+    ``pieces``: compute the per-token text deltas (streaming, completions logprobs)."""
+    ids = turn.token_ids.tolist()
+    cut = cut_at_stop(chat.decode, ids, stops) if stops else None
+    if cut is None:
+        text = chat.decode(ids)
+    else:  # the pool sampled past the stop string; an engine checking stop strings would not have
+        k, text = cut
+        ids = ids[:k]
+        turn = Turn(token_ids=np.asarray(turn.token_ids[:k]), logprobs=np.asarray(turn.logprobs[:k]),
+                    versions=turn.versions, finish_reason="stop_string")
+    content, calls = parse_tool_calls(text) if parse_tools else (text, [])
+    finish = "tool_calls" if calls else ("length" if turn.finish_reason == "length" else "stop")
+    return Choice(text=content, token_ids=ids, logprobs=turn.logprobs.tolist(),
+                  token_texts=[chat.token_text(t) for t in ids],
+                  pieces=text_pieces(chat.decode, ids, content) if pieces else [],
+                  calls=calls, finish_reason=finish), turn
 
 
 def logprob_entry(tok: str, lp: float, top: int) -> dict[str, Any]:

@@ -86,16 +86,14 @@ from treadle.agents.gateway.responses import (
     assistant_message,
     chat_chunks,
     chat_completion,
-    cut_at_stop,
+    make_choice,
     sse,
     text_chunks,
     text_completion,
-    text_pieces,
 )
 from treadle.agents.gateway.session import Session
 from treadle.agents.jsonio import trajectory_to_json
 from treadle.agents.sampler import RolloutSampler, Turn, with_max_tokens
-from treadle.agents.tools import parse_tool_calls
 from treadle.common.errors import TreadleError
 from treadle.common.log import get_logger
 from treadle.common.records import SamplingParams
@@ -187,7 +185,7 @@ class Gateway:
                 self.sessions.pop(sid, None)
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[self._measure, self._auth, self._errors], client_max_size=64 << 20)
+        app = web.Application(middlewares=[self.metrics.middleware, self._auth, self._errors], client_max_size=64 << 20)
         app.add_routes([
             web.get("/health", self.health), web.get("/v1/models", self.models),
             web.post("/v1/chat/completions", self.chat_completions), web.post("/tokenize", self.tokenize),
@@ -200,24 +198,6 @@ class Gateway:
         return app
 
     # ------------------------------------------------------------------ middlewares
-
-    @web.middleware
-    async def _measure(self, request: web.Request, handler: Any) -> web.StreamResponse:
-        """Count every request by route and status, and time it (Prometheus, ``/metrics``)."""
-        route = request.match_info.route.resource
-        name = route.canonical if route is not None else "unmatched"
-        start = time.perf_counter()
-        status = 500
-        try:
-            resp = await handler(request)
-            status = resp.status
-            return resp
-        except web.HTTPException as e:
-            status = e.status
-            raise
-        finally:
-            self.metrics.requests.labels(route=name, status=str(status)).inc()
-            self.metrics.seconds.labels(route=name).observe(time.perf_counter() - start)
 
     @web.middleware
     async def _auth(self, request: web.Request, handler: Any) -> web.StreamResponse:
@@ -352,24 +332,6 @@ class Gateway:
         return list(await asyncio.gather(*(self._sampler.sample(prompt, nth(i), key=key if common.n == 1 else f"{key}.c{i}")
                                            for i in range(common.n))))
 
-    def _choice(self, turn: Turn, stops: tuple[str, ...], parse_tools: bool, pieces: bool) -> tuple[Choice, Turn]:
-        """What the client sees of ``turn`` and the turn the session records (cut at a stop string)."""
-        ids = turn.token_ids.tolist()
-        cut = cut_at_stop(self.chat.decode, ids, stops) if stops else None
-        if cut is None:
-            text = self.chat.decode(ids)
-        else:  # the tokens past the stop string are dropped, as an engine checking stop strings would not sample them
-            k, text = cut
-            ids = ids[:k]
-            turn = Turn(token_ids=turn.token_ids[:k], logprobs=turn.logprobs[:k], versions=turn.versions,
-                        finish_reason="stop_string")
-        content, calls = parse_tool_calls(text) if parse_tools else (text, [])
-        finish = "tool_calls" if calls else ("length" if turn.finish_reason == "length" else "stop")
-        return Choice(text=content, token_ids=ids, logprobs=turn.logprobs.tolist(),
-                      token_texts=[self.chat.token_text(t) for t in ids],
-                      pieces=text_pieces(self.chat.decode, ids, content) if pieces else [],
-                      calls=calls, finish_reason=finish), turn
-
     def _record(self, sid: str, session: Session, prep: Any, names: list[str], turns: list[Turn],
                 replies: list[Message | None]) -> None:
         """Commit each choice to its session (forks of ``session`` for n > 1; see ``_choice_ids``)."""
@@ -427,7 +389,7 @@ class Gateway:
             prep = await self._off_loop(session.prepare, req.messages, req.tools, self.chat)
             turns = await self._sample(session, prep.prompt, common, f"{sid}:{session.turns}")
             parse = req.parse_tools and self.cfg.tool_parser == "hermes"
-            made = [await self._off_loop(self._choice, t, common.stop, parse, common.stream) for t in turns]
+            made = [await self._off_loop(make_choice, self.chat, t, common.stop, parse, common.stream) for t in turns]
             choices, recorded = [c for c, _ in made], [t for _, t in made]
             self._record(sid, session, prep, names, recorded, [assistant_message(c.text, c.calls) for c in choices])
         extra, top = self._extras(sid, names, prep, recorded, common)
@@ -456,7 +418,7 @@ class Gateway:
             prep = session.prepare_tokens(prompt)
             turns = await self._sample(session, prep.prompt, common, f"{sid}:{session.turns}")
             pieces = common.stream or req.logprobs
-            made = [await self._off_loop(self._choice, t, common.stop, False, pieces) for t in turns]
+            made = [await self._off_loop(make_choice, self.chat, t, common.stop, False, pieces) for t in turns]
             choices, recorded = [c for c, _ in made], [t for _, t in made]
             self._record(sid, session, prep, names, recorded, [None] * len(turns))
         extra, top = self._extras(sid, names, prep, recorded, common)
