@@ -17,7 +17,7 @@ import pytest
 from treadle.agents.api import Episode, StepResult
 from treadle.agents.client import SyncGatewayClient
 from treadle.agents.executor import ExecutorConfig, MultiTurnExecutor
-from treadle.agents.gateway.responses import cut_at_stop, text_pieces
+from treadle.agents.gateway.responses import cut_at_stop, text_pieces, token_deltas
 from treadle.common.records import SamplingParams
 
 USER = [{"role": "user", "content": "Tell me a story about a lighthouse."}]
@@ -257,3 +257,19 @@ def test_streamed_tool_call(gateway, warm) -> None:
     ids = [t for c in chunks for t in (c.choices[0].model_extra.get("token_ids") or [])]
     [t] = SyncGatewayClient(gateway.url).trajectories("tool-stream-1")
     assert t.response_token_ids.tolist() == ids and len(ids) > 0
+
+
+def test_token_deltas_add_up_on_the_real_tokenizer(chat) -> None:
+    """Random ids (split characters, leading spaces, invalid bytes): the linear-time deltas are the
+    decoded text, less an incomplete last character, and the stop cut is the fewest tokens."""
+    rng = np.random.default_rng(0)
+    for _ in range(100):
+        ids = rng.integers(0, 512, size=int(rng.integers(1, 40))).tolist()
+        full, joined = chat.decode(ids), "".join(token_deltas(chat.decode, ids))
+        assert full.startswith(joined) and set(full[len(joined):]) <= {"\ufffd"}, ids
+        assert "".join(text_pieces(chat.decode, ids, full)) == full
+        stop = full[len(full) // 2:len(full) // 2 + 2]
+        if len(stop) == 2 and "\ufffd" not in stop:
+            k, text = cut_at_stop(chat.decode, ids, [stop])
+            assert text == full[:full.find(stop)] and stop in chat.decode(ids[:k])[len(text):]
+            assert stop not in chat.decode(ids[:k - 1])[len(text):]

@@ -48,6 +48,23 @@ class Choice:
     """OpenAI's: "stop", "length" or "tool_calls"."""
 
 
+def token_deltas(decode: Callable[[Sequence[int]], str], ids: Sequence[int]) -> list[str]:
+    """One text delta per token in linear time: each token's text is read against a short window of
+    the tokens before it (TGI's and vLLM's incremental detokenizer), since a token's own decoding
+    can differ from what it adds to its prefix (leading spaces, bytes of a split character). A
+    delta ending in U+FFFD (a character not yet complete) is held back until a later token
+    completes it, so ``"".join(token_deltas(d, ids))`` is ``d(ids)`` less an incomplete last character."""
+    out, prefix_at, read_at = [], 0, 0
+    for k in range(1, len(ids) + 1):
+        prefix, new = decode(ids[prefix_at:read_at]), decode(ids[prefix_at:k])
+        if len(new) > len(prefix) and not new.endswith("\ufffd") and new.startswith(prefix):
+            out.append(new[len(prefix):])
+            prefix_at, read_at = read_at, k
+        else:
+            out.append("")
+    return out
+
+
 def cut_at_stop(decode: Callable[[Sequence[int]], str], ids: Sequence[int], stops: Sequence[str]) -> tuple[int, str] | None:
     """Where the first stop string ends a sample: ``(k, text)`` or None when none occurs.
 
@@ -60,28 +77,28 @@ def cut_at_stop(decode: Callable[[Sequence[int]], str], ids: Sequence[int], stop
     if not hits:
         return None
     pos, stop = min(hits)
-    end = pos + len(stop)
-    for k in range(1, len(ids) + 1):
-        prefix = decode(ids[:k])
-        if len(prefix) >= end and prefix[pos:end] == stop:
+    end, acc = pos + len(stop), ""
+    for k, d in enumerate(token_deltas(decode, ids), start=1):
+        acc += d
+        if len(acc) >= end and acc[pos:end] == stop:
             return k, full[:pos]
-    return len(ids), full[:pos]
+    return len(ids), full[:pos]  # deltas that do not add up to the whole: keep every token
 
 
 def text_pieces(decode: Callable[[Sequence[int]], str], ids: Sequence[int], text: str) -> list[str]:
-    """One text delta per token, concatenating to ``text`` (a prefix of ``decode(ids)``).
-
-    A prefix whose decoding ends in U+FFFD (a character split across tokens) is held back until a
-    later token completes it; the last token gets whatever is left.
-    """
+    """One text delta per token (``token_deltas``) clipped to ``text``, a prefix of ``decode(ids)``;
+    they concatenate to ``text`` (the last token gets what is left; deltas that are not the text's
+    prefix, e.g. tool-call markup parsed out, put all of it on the last token)."""
+    if not ids:
+        return []
     out, done = [], 0
-    for k in range(1, len(ids) + 1):
-        prefix = text if k == len(ids) else decode(ids[:k])[:len(text)]
-        if not text.startswith(prefix) or len(prefix) < done or (k < len(ids) and prefix.endswith("\ufffd")):
-            out.append("")  # held back: a split character, or a decoder whose prefixes are not the text's
-            continue
-        out.append(prefix[done:])
-        done = len(prefix)
+    for d in token_deltas(decode, ids):
+        take = d[:max(0, len(text) - done)]
+        if text[done:done + len(take)] != take:
+            return [""] * (len(ids) - 1) + [text]
+        out.append(take)
+        done += len(take)
+    out[-1] += text[done:]
     return out
 
 
