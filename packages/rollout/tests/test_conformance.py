@@ -249,12 +249,12 @@ def test_a_header_that_passed_is_not_checked_again_but_any_other_is(subject):
 
     good = update(subject.base)
     engine.check_update(good)
-    assert engine._checked == (good.names, good.dtypes, good.shapes)  # kept: the next equal header is not walked
+    assert engine._checked == (good.names, good.dtypes, good.shapes, None)  # kept (no adapter): not walked again
     engine.check_update(update(subject.base))
     for how in ("name", "shape", "missing"):
         with pytest.raises(WeightMismatch, match="down_proj"):
             engine.check_update(update(_corrupt(subject.base, how)))
-        assert engine._checked == (good.names, good.dtypes, good.shapes)  # a refused header is not kept
+        assert engine._checked == (good.names, good.dtypes, good.shapes, None)  # a refused header is not kept
 
 
 @pytest.mark.parametrize("mode", ["wait", "abort"])
