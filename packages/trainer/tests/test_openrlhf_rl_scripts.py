@@ -4,7 +4,9 @@ Each table below is the argument list of one of OpenRLHF's ``examples/scripts`` 
 ``train_ppo_ray_hybrid_engine.sh``, ``train_dapo_ray_hybrid_engine.sh``,
 ``train_prorlv2_math_hybrid_engine.sh``, ``train_reinforce_baseline_hybrid_engine.sh``,
 ``train_reinforce_baseline_ray_agent_async.sh``, ``train_ppo_with_reward_fn.sh``,
-``train_vlm_math_hybrid_engine.sh``), written by hand in the script's order, one row per flag
+``train_vlm_math_hybrid_engine.sh``, and the ``ray job submit`` flags of ``train_ppo_ray_slurm.sh``;
+``train_nonrl_slurm.sh`` runs ``train_dpo_llama.sh``'s command under torchrun, parsed in
+``test_openrlhf_offline_scripts.py``), written by hand in the script's order, one row per flag
 with the config field it sets and the value it must have. All of them run ``python3 -m
 openrlhf.cli.train_ppo_ray`` (directly or as a Ray job): treadle's ``python -m
 treadle.integration.train_ppo_ray`` / ``treadle-train ppo`` take the same flags.
@@ -318,6 +320,47 @@ TRAIN_PPO_WITH_REWARD_FN_SH: list[Row] = [
     # --logger.wandb.key {wandb_token}: dropped (a placeholder; no network)
 ]
 
+TRAIN_PPO_RAY_SLURM_SH: list[Row] = [  # the flags of its `ray job submit -- python3 -m openrlhf.cli.train_ppo_ray`
+    (["--ref.num_nodes", "1"], "ref.num_nodes", 1),
+    (["--ref.num_gpus_per_node", "1"], "ref.num_gpus_per_node", 1),  # was 4
+    (["--reward.num_nodes", "1"], "reward.num_nodes", 1),
+    (["--reward.num_gpus_per_node", "1"], "reward.num_gpus_per_node", 1),  # was 4
+    (["--critic.num_nodes", "1"], "critic.num_nodes", 1),
+    (["--critic.num_gpus_per_node", "1"], "critic.num_gpus_per_node", 1),  # was 4
+    (["--actor.num_nodes", "1"], "actor.num_nodes", 1),
+    (["--actor.num_gpus_per_node", "1"], "actor.num_gpus_per_node", 1),  # was 4
+    (["--vllm.num_engines", "1"], "vllm.num_engines", 1),  # was 4
+    (["--vllm.tensor_parallel_size", "1"], "vllm.tensor_parallel_size", 1),  # was 2
+    (["--train.colocate_critic_reward"], "train.colocate_critic_reward", True),
+    (["--train.colocate_actor_ref"], "train.colocate_actor_ref", True),
+    (["--actor.model_name_or_path", TINY], "actor.model_name_or_path", TINY),  # was OpenRLHF/Llama-3-8b-sft-mixture
+    (["--reward.model_name_or_path", TINY], "reward.model_name_or_path", TINY),  # was OpenRLHF/Llama-3-8b-rm-mixture
+    (["--ckpt.output_dir", "/openrlhf/examples/checkpoint/llama3-8b-rlhf"], "ckpt.output_dir",
+     "/openrlhf/examples/checkpoint/llama3-8b-rlhf"),
+    (["--train.micro_batch_size", "8"], "train.micro_batch_size", 8),
+    (["--train.batch_size", "128"], "train.batch_size", 128),
+    (["--rollout.micro_batch_size", "16"], "rollout.micro_batch_size", 16),
+    (["--rollout.batch_size", "1024"], "rollout.batch_size", 1024),
+    (["--data.max_samples", "100000"], "data.max_samples", 100000),
+    (["--train.max_epochs", "1"], "train.max_epochs", 1),
+    (["--data.max_len", "2048"], "data.max_len", 2048),
+    (["--ds.zero_stage", "3"], "ds.zero_stage", 3),
+    (["--ds.param_dtype", "bf16"], "ds.param_dtype", "bf16"),
+    (["--actor.adam.lr", "5e-7"], "actor.adam.lr", 5e-7),
+    (["--critic.adam.lr", "9e-6"], "critic.adam.lr", 9e-6),
+    (["--algo.kl.init_coef", "0.01"], "algo.kl.init_coef", 0.01),
+    (["--data.prompt_dataset", "OpenRLHF/prompt-collection-v0.1"], "data.prompt_dataset",
+     "OpenRLHF/prompt-collection-v0.1"),
+    (["--data.input_key", "context_messages"], "data.input_key", "context_messages"),
+    (["--data.apply_chat_template"], "data.apply_chat_template", True),
+    (["--reward.normalize_enable"], "reward.normalize_enable", True),
+    (["--ds.adam_offload"], "ds.adam_offload", True),
+    (["--ds.packing_samples"], "ds.packing_samples", True),
+    # --vllm.sync_backend nccl: dropped (CUDA); without --train.colocate_all treadle takes it on a GPU
+    (["--actor.gradient_checkpointing_enable"], "actor.gradient_checkpointing_enable", True),
+    # --logger.wandb.key {wandb_token}: dropped (a placeholder; no network)
+]
+
 TRAIN_VLM_MATH_HYBRID_ENGINE_SH: list[Row] = [  # refused: VLM (VLM_FLAGS), and KL_LOSS_WITHOUT_COEF
     (["--ref.num_nodes", "1"], "ref.num_nodes", 1),
     (["--ref.num_gpus_per_node", "1"], "ref.num_gpus_per_node", 1),  # was 4
@@ -378,6 +421,7 @@ SCRIPTS: dict[str, list[Row]] = {
     "train_reinforce_baseline_hybrid_engine.sh": _reinforce_baseline(agent_async=False),
     "train_reinforce_baseline_ray_agent_async.sh": _reinforce_baseline(agent_async=True),
     "train_ppo_with_reward_fn.sh": TRAIN_PPO_WITH_REWARD_FN_SH,
+    "train_ppo_ray_slurm.sh": TRAIN_PPO_RAY_SLURM_SH,
 }
 """The text-only scripts (the VLM one has tests of its own)."""
 
@@ -473,6 +517,12 @@ def test_the_vlm_scripts_text_flags_parse_but_for_a_kl_loss_of_weight_zero(tiny:
     rest = [row for row in rows if row[0] != KL_LOSS_WITHOUT_COEF[0]]
     assert len(rest) == len(rows) - 1
     check(parse_command("ppo", argv(rest, str(tiny), treadle_spelling=True)), rest, str(tiny))
+
+
+def test_the_slurm_scripts_nccl_sync_parses_where_the_engines_have_gpus_of_their_own() -> None:
+    cfg = parse_command("ppo", [*argv(TRAIN_PPO_RAY_SLURM_SH, "m", treadle_spelling=True), *NCCL_WITH_COLOCATE_ALL])
+    assert cfg.vllm.sync_backend == "nccl" and not cfg.engines_colocated
+    assert cfg.critic_model_name_or_path == "m"  # gae without --critic.model_name_or_path: from the reward model
 
 
 def test_the_reinforce_scripts_differ_only_in_the_async_switches() -> None:
