@@ -372,8 +372,6 @@ def _without(argv: list[str], *flags: str) -> list[str]:
      "--algo.advantage.is_correction_level"),
     (["--actor.policy_loss_type", "gspo", "--algo.advantage.is_correction_level", "token",
       "--algo.advantage.is_correction_mode", "clip"], "--algo.advantage.is_correction_mode"),
-    (["--algo.advantage.is_correction_enable"], "--algo.advantage.is_correction_level"),
-    (["--algo.advantage.is_correction_type", "tis"], "--algo.advantage.is_correction_mode"),
     (["--rollout.vllm_generate_batch_size", "2048"], "--train.async_enable"),
     (["--algo.advantage.estimator", "group_norm"], "--rollout.n_samples_per_prompt"),
     (["--algo.advantage.estimator", "rloo", "--rollout.n_samples_per_prompt", "4",
@@ -639,7 +637,12 @@ def test_the_sync_canary_is_on_by_default_sized_by_its_flag_and_checked(tokenize
     from treadle.trainer.trainers.ppo_build import canary_ids
 
     cfg = parse_ppo(ppo_argv())
-    assert cfg.vllm.canary_tokens == 16 and cfg.vllm.canary_tolerance is None
+    assert cfg.canary_size == 16 and cfg.vllm.canary_tolerance is None
+    assert parse_ppo([*ppo_argv(), "--vllm.canary_tokens", "0"]).canary_size == 0
+    ring = ["--ds.ring_attn_size", "2"]
+    assert parse_ppo([*ppo_argv(), *ring]).canary_size == 0  # its forward cannot run unsharded
+    with pytest.raises(ConfigError, match="--vllm.canary_tokens 16 with --ds.ring_attn_size 2"):
+        parse_ppo([*ppo_argv(), *ring, "--vllm.canary_tokens", "16"])
     ids = canary_ids(tokenizer, 16)
     assert len(ids) == 16 and len(set(ids)) > 4 and all(0 <= i < len(tokenizer) for i in ids)
     assert canary_ids(tokenizer, 16) == ids and canary_ids(tokenizer, 400)[:16] == ids  # fixed, repeated to size

@@ -45,6 +45,9 @@ ALLOWED: dict[str, str] = {
     "RLTrainConfig.colocate_critic_reward": "the critic and the reward model always run in the trainer's ranks; "
                                             "commands._check_placements refuses placements of their own",
     "RMModelConfig.compute_fp32_loss_enable": "losses.rm computes the pairwise loss in fp32 always",
+    # OpenRLHF's spellings of another field (read in config/ when set):
+    "AdvantageConfig.is_correction_enable": "OpenRLHF's switch: sets is_correction_level / mode (config/algo.py)",
+    "AdvantageConfig.is_correction_type": "OpenRLHF's scheme: sets is_correction_level / mode (config/algo.py)",
 }
 """``Class.field`` (the class that declares it) -> why it may go unread outside config/."""
 

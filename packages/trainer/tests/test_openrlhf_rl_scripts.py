@@ -27,7 +27,7 @@ Datasets and reward / agent files keep the scripts' names: parsing opens none of
 by hand, in the closing note of issue 34, used small local files with the scripts' keys).
 
 Where treadle refuses a flag a script passes whatever the machine, ``DIFFERS`` gives the flag,
-the error it gets and the treadle spelling used instead, and a test checks the refusal.
+the error it gets and the treadle spelling used instead, and a test checks the refusal (none now).
 """
 
 from __future__ import annotations
@@ -429,19 +429,11 @@ NCCL_WITH_COLOCATE_ALL = ["--vllm.sync_backend", "nccl"]
 """What every hybrid-engine script passes with ``--train.colocate_all`` (OpenRLHF's default value:
 CUDA IPC there); dropped above, and refused by treadle on any machine."""
 
-DIFFERS: dict[str, tuple[str, list[str]]] = {
-    "--algo.advantage.is_correction_enable": (
-        r"--algo\.advantage\.is_correction_enable was renamed: use --algo\.advantage\.is_correction_level instead",
-        ["--algo.advantage.is_correction_level", "token", "--algo.advantage.is_correction_mode", "clip"]),
-    "--algo.advantage.is_correction_type": (
-        r"--algo\.advantage\.is_correction_type was renamed: use --algo\.advantage\.is_correction_level / "
-        r"--algo\.advantage\.is_correction_mode instead",
-        ["--algo.advantage.is_correction_mode", "mask"]),  # icepop: token level, masked (the scripts' value)
-}
-"""Flags of the scripts (OpenRLHF 0.11.0's ``train_ppo_ray``) that treadle refuses whatever the
-machine: the error, and the treadle spelling of the script's value that the tables are checked
-with (tis = token + clip, icepop = token + mask, seq-mask-tis = seq + mask, gating ratio:
-``config/renamed.py``)."""
+DIFFERS: dict[str, tuple[str, list[str]]] = {}
+"""Flags of the scripts that treadle refuses whatever the machine: the error, and the treadle spelling
+the tables are checked with. None now: OpenRLHF 0.11's ``--algo.advantage.is_correction_enable`` /
+``--algo.advantage.is_correction_type`` were refused as renamed until they became aliases of the level /
+mode pair (tis = token + clip, icepop = token + mask, seq-mask-tis = seq + mask, gating ratio)."""
 
 
 def argv(rows: list[Row], model: str, *, treadle_spelling: bool) -> list[str]:
@@ -531,3 +523,24 @@ def test_the_reinforce_scripts_differ_only_in_the_async_switches() -> None:
     a, b = parse_command("ppo", sync), parse_command("ppo", agent_async)
     assert (a.train.async_enable, b.train.async_enable, b.train.partial_rollout_enable) == (False, True, True)
     assert a.engines_colocated and not b.engines_colocated  # OpenRLHF: async "only colocates DeepSpeed models"
+
+
+@pytest.mark.parametrize("extra, level, mode", [
+    ([], "token", "clip"),  # OpenRLHF's default type: tis
+    (["--algo.advantage.is_correction_type", "tis"], "token", "clip"),
+    (["--algo.advantage.is_correction_type", "icepop"], "token", "mask"),
+    (["--algo.advantage.is_correction_type", "seq-mask-tis"], "seq", "mask"),
+])
+def test_openrlhfs_is_correction_switch_and_type_set_the_level_and_mode(extra, level, mode) -> None:
+    line = [*argv(TRAIN_PPO_RAY_HYBRID_ENGINE_SH, "m", treadle_spelling=False), *extra]
+    adv = parse_command("ppo", line).algo.advantage
+    assert (adv.is_correction_level, adv.is_correction_mode, adv.is_correction_gating) == (level, mode, "ratio")
+
+
+def test_the_is_correction_type_alone_or_beside_a_level_is_refused() -> None:
+    base = [w for w in argv(TRAIN_PPO_RAY_HYBRID_ENGINE_SH, "m", treadle_spelling=False)
+            if w != "--algo.advantage.is_correction_enable"]
+    with pytest.raises(ConfigError, match="--algo.advantage.is_correction_type icepop does nothing without --algo.advantage.is_correction_enable"):
+        parse_command("ppo", [*base, "--algo.advantage.is_correction_type", "icepop"])
+    with pytest.raises(ConfigError, match="two spellings of one setting"):
+        parse_command("ppo", [*base, "--algo.advantage.is_correction_enable", "--algo.advantage.is_correction_level", "seq"])

@@ -25,6 +25,10 @@ PROCESS_REWARD_ESTIMATORS = frozenset({"gae", "reinforce", "reinforce_baseline"}
 ISLevel = Literal["off", "token", "seq"]
 ISMode = Literal["mask", "clip"]
 ISGating = Literal["ratio", "binary_kl", "tv"]
+ISType = Literal["tis", "icepop", "seq-mask-tis"]
+IS_TYPES: dict[str, tuple[str, str]] = {"tis": ("token", "clip"), "icepop": ("token", "mask"),
+                                        "seq-mask-tis": ("seq", "mask")}
+"""OpenRLHF's ``--algo.advantage.is_correction_type`` -> (level, mode), gating ratio."""
 KLEstimator = Literal["k1", "k2", "k3"]
 
 
@@ -56,8 +60,24 @@ class AdvantageConfig:
     between the two policies (a trust region: give one upper bound)."""
     is_correction_threshold: tuple[float, ...] = (0.5, 5.0)
     """Band LOW HIGH of the gated statistic, or one HIGH (low 0: an upper bound, for binary_kl / tv)."""
+    is_correction_enable: bool = False
+    """OpenRLHF's switch (its train_ppo_ray, 0.11): the correction of --is_correction_type on, i.e.
+    --is_correction_level / --is_correction_mode set from the type (give one spelling or the other)."""
+    is_correction_type: ISType | None = None
+    """OpenRLHF's scheme, with --is_correction_enable: tis (token, clip; its default) | icepop (token,
+    mask) | seq-mask-tis (seq, mask), gating ratio."""
 
     def __post_init__(self) -> None:
+        if self.is_correction_type is not None and not self.is_correction_enable:
+            raise ConfigError(f"--is_correction_type {self.is_correction_type} does nothing without "
+                              "--is_correction_enable (OpenRLHF's pair); add it, or use --is_correction_level / --is_correction_mode")
+        if self.is_correction_enable:
+            if self.is_correction_level != "off":
+                raise ConfigError(f"--is_correction_enable with --is_correction_level {self.is_correction_level}: "
+                                  "two spellings of one setting; give --is_correction_type or --is_correction_level / mode")
+            level, mode = IS_TYPES[self.is_correction_type or "tis"]
+            object.__setattr__(self, "is_correction_level", level)
+            object.__setattr__(self, "is_correction_mode", mode)
         if not 0 <= self.gamma <= 1:
             raise ConfigError(f"--gamma must be in [0, 1], got {self.gamma}")
         if not 0 <= self.lambd <= 1:

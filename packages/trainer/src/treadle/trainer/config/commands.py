@@ -249,6 +249,14 @@ class PPOConfig:
         return self.actor.model_name_or_path if origin else None
 
     @property
+    def canary_size(self) -> int:
+        """Tokens of the per-sync canary: ``--vllm.canary_tokens``, unset 16, or none with ring
+        attention (its forward would need the prompt sharded over the ring)."""
+        if self.vllm.canary_tokens is not None:
+            return self.vllm.canary_tokens
+        return 0 if self.ds.ring_attn_size > 1 else 16
+
+    @property
     def engines_colocated(self) -> bool:
         """Whether the rollout engines share the trainer's GPUs: ``--train.colocate_all``, unless
         ``--train.async_enable``, where (as in OpenRLHF) colocate_all only colocates the trainer's
@@ -463,6 +471,10 @@ def _check_weight_sync(cfg: PPOConfig) -> None:
     """What ``--vllm.sync_backend`` cannot do whatever the machine (what needs CUDA is checked at
     start-up, ``trainers.ppo_build.sync_route``): refused, never replaced by another backend."""
     v = cfg.vllm
+    if v.canary_tokens and cfg.ds.ring_attn_size > 1:
+        raise ConfigError(f"--vllm.canary_tokens {v.canary_tokens} with --ds.ring_attn_size {cfg.ds.ring_attn_size}: the "
+                          "canary's forward runs on one unsharded prompt, which a ring-attention actor cannot; leave "
+                          "--vllm.canary_tokens unset (no canary with ring attention) or set it to 0")
     if v.sync_adapters and cfg.ds.lora.rank == 0:
         raise ConfigError("--vllm.sync_adapters sends LoRA adapters: it needs --ds.lora.rank > 0")
     if v.sync_adapters and cfg.ds.load_in_4bit:

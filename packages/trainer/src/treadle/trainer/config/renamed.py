@@ -211,11 +211,6 @@ RENAMED_PPO: Mapping[str, str] = MappingProxyType({
     "--lambd": "--algo.advantage.lambd",
     "--no_advantage_std_norm": "--algo.advantage.no_std_norm",
     "--enable_vllm_is_correction": "--algo.advantage.is_correction_level",
-    # OpenRLHF 0.11.2 split the scheme into level / mode / gating (docs/rl.md): tis = token + clip,
-    # icepop = token + mask, seq-mask-tis = seq + mask, all with gating ratio
-    "--algo.advantage.is_correction_enable": "--algo.advantage.is_correction_level",
-    "--algo.advantage.no_is_correction_enable": "--algo.advantage.is_correction_level",
-    "--algo.advantage.is_correction_type": "--algo.advantage.is_correction_level / --algo.advantage.is_correction_mode",
     "--vllm_is_truncated_threshold": "--algo.advantage.is_correction_threshold",
     "--init_kl_coef": "--algo.kl.init_coef",
     "--kl_target": "--algo.kl.target",

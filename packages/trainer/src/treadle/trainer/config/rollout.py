@@ -122,10 +122,11 @@ class VLLMConfig:
     curve_dir: str = ""
     """CURVE client keys (client.key_secret + server.key, `treadle-keys generate`) for --vllm.endpoint;
     needed when that daemon is not on loopback."""
-    canary_tokens: int = 16
+    canary_tokens: int | None = None
     """After each weight sync every engine scores a fixed prompt of this many tokens and must
     reproduce the trainer's logprobs for it (else it is quarantined and the sync fails, naming the
-    gap); the largest gap is ``sync/canary_gap`` in the metrics. 0: no canary."""
+    gap); the largest gap is ``sync/canary_gap`` in the metrics. 0: no canary; None: 16, none with
+    ring attention (``--ds.ring_attn_size > 1``, where it cannot run)."""
     canary_tolerance: float | None = None
     """Largest allowed canary gap (nats); None: 1e-3 with fp32 weights (same math on both sides),
     0.5 with bf16 / fp16 (the engine's kernels differ from the trainer's by a few 1e-2; a wrong
@@ -142,7 +143,7 @@ class VLLMConfig:
             raise ConfigError(f"--tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.bucket_mb < 0:
             raise ConfigError(f"--bucket_mb must be >= 0, got {self.bucket_mb}")
-        if self.canary_tokens < 0 or self.canary_tokens == 1:
+        if self.canary_tokens is not None and (self.canary_tokens < 0 or self.canary_tokens == 1):
             raise ConfigError(f"--canary_tokens must be 0 (no canary) or >= 2, got {self.canary_tokens}")
         if self.canary_tolerance is not None and not self.canary_tolerance > 0:
             raise ConfigError(f"--canary_tolerance must be > 0 (or unset), got {self.canary_tolerance}")

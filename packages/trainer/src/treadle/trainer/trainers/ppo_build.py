@@ -303,7 +303,7 @@ def sender(parts: PPOParts) -> Any:
     tolerance = cfg.vllm.canary_tolerance or (1e-3 if cfg.ds.param_dtype == "fp32" else 0.5)
     conf = SenderConfig(transport=transport, backend=backend, bucket_bytes=cfg.vllm.bucket_mb << 20,
                         dtype=DTYPES[cfg.ds.param_dtype], mode="abort" if cfg.train.partial_rollout_enable else "wait",
-                        host=cfg.vllm.sync_host, canary_token_ids=canary_ids(parts.tokenizer, cfg.vllm.canary_tokens),
+                        host=cfg.vllm.sync_host, canary_token_ids=canary_ids(parts.tokenizer, cfg.canary_size),
                         canary_tolerance=tolerance, adapters=cfg.vllm.sync_adapters)
     return WeightSender(parts.actor, config=conf, client=parts.sync_client, zero_stage=cfg.ds.zero_stage,
                         is_main=parts.dist.is_main)
