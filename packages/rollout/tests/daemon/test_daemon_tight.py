@@ -80,8 +80,9 @@ def test_canary_mismatch_quarantines_until_a_good_update(tight_daemon, aio, mode
     assert "e0" in str(bad) and "canary" in str(bad)
     assert health["status"] == "down" and "e0" in health["quarantined"]
     assert stats["engines"][0]["state"] == "quarantined" and stats["version"] == 0
-    loads = report.pop("loads")
+    loads, canary = report.pop("loads"), report.pop("canary")
     assert report == {"version": 2, "updated": ["e0"], "failed": {}}
+    assert list(canary) == ["e0"] and 0.0 <= canary["e0"] < 1e-4  # the good update's measured gap
     # the stamps, in order: reached the front end, reached the engine, load started, loaded, canary checked
     assert list(loads) == ["e0"] and loads["e0"]["received"] <= loads["e0"]["called"] <= loads["e0"]["loading"] \
         <= loads["e0"]["loaded"] <= loads["e0"]["done"]
