@@ -1,4 +1,4 @@
-"""``treadle-train {sft,rm,prm,dpo,kto,ppo} [FLAGS...]``: parse, build, run, clean up.
+"""``treadle-train {sft,kd,rm,prm,dpo,kto,ppo} [FLAGS...]``: parse, build, run, clean up.
 
 Runs as one process, or one process per rank under a launcher::
 

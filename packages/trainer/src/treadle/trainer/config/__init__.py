@@ -1,13 +1,13 @@
 """Typed configuration of the training commands and their command lines (no torch, no deepspeed).
 
-``parse_sft(argv)``, ``parse_rm(argv)``, ``parse_prm(argv)``, ``parse_dpo(argv)``, ``parse_kto(argv)`` and
-``parse_ppo(argv)`` return a validated, frozen ``SFTConfig`` / ``RMConfig`` / ``PRMConfig`` / ``DPOConfig`` /
+``parse_sft(argv)``, ``parse_kd(argv)``, ``parse_rm(argv)``, ``parse_prm(argv)``, ``parse_dpo(argv)``, ``parse_kto(argv)`` and
+``parse_ppo(argv)`` return a validated, frozen ``SFTConfig`` / ``KDConfig`` / ``RMConfig`` / ``PRMConfig`` / ``DPOConfig`` /
 ``KTOConfig`` / ``PPOConfig`` from OpenRLHF-style dotted flags
 (``--actor.model_name_or_path X --ds.zero_stage 3 --train.colocate_all``), a ``--config``
 YAML file of defaults, or both. Groups live in one module per concern: ``model`` (actor,
 critic, ref, reward), ``optim``, ``deepspeed`` (``ds``), ``data``, ``train``, ``rollout`` (+
 ``vllm``), ``algo`` (advantage / IS correction / KL), ``ckpt``, ``logger``, ``eval``;
-``commands`` composes them (``prm``: the PRM command's config and data); ``renamed`` lists retired flags.
+``commands`` composes them (``prm``: the PRM command's config and data; ``kd``: distillation's and its teacher); ``renamed`` lists retired flags.
 
 ``python -m treadle.trainer.config --dump-flags`` prints every command's flag set (the pinned
 snapshot); ``python -m treadle.trainer.config ppo ARGS...`` prints the resolved config as YAML.
@@ -22,9 +22,11 @@ from typing import Any
 from treadle.common.config import ConfigError, dump_yaml, flag_names, load_yaml, parse
 from treadle.trainer.config.algo import ADVANTAGE_ESTIMATORS, GROUP_ESTIMATORS, AdvantageEstimator
 from treadle.trainer.config.commands import DPOConfig, KTOConfig, PPOConfig, RMConfig, SFTConfig
+from treadle.trainer.config.kd import KDConfig
 from treadle.trainer.config.prm import PRMConfig
 from treadle.trainer.config.renamed import (
     RENAMED_DPO,
+    RENAMED_KD,
     RENAMED_KTO,
     RENAMED_PPO,
     RENAMED_PRM,
@@ -34,6 +36,7 @@ from treadle.trainer.config.renamed import (
 
 COMMANDS: Mapping[str, tuple[type, Mapping[str, str]]] = MappingProxyType({
     "sft": (SFTConfig, RENAMED_SFT),
+    "kd": (KDConfig, RENAMED_KD),
     "rm": (RMConfig, RENAMED_RM),
     "prm": (PRMConfig, RENAMED_PRM),
     "dpo": (DPOConfig, RENAMED_DPO),
@@ -44,7 +47,7 @@ COMMANDS: Mapping[str, tuple[type, Mapping[str, str]]] = MappingProxyType({
 
 
 def parse_command(command: str, argv: Sequence[str] | None = None) -> Any:
-    """The validated config of ``command`` ("sft", "rm", "prm", "dpo", "kto", "ppo") from ``argv`` (``sys.argv[1:]`` if None)."""
+    """The validated config of ``command`` ("sft", "kd", "rm", "prm", "dpo", "kto", "ppo") from ``argv`` (``sys.argv[1:]`` if None)."""
     cls, renamed = COMMANDS[command]
     return parse(cls, argv, prog=f"treadle-train {command}", renamed=renamed)
 
@@ -52,6 +55,11 @@ def parse_command(command: str, argv: Sequence[str] | None = None) -> Any:
 def parse_sft(argv: Sequence[str] | None = None) -> SFTConfig:
     """``SFTConfig`` from the command line of ``treadle-train sft``."""
     return parse_command("sft", argv)
+
+
+def parse_kd(argv: Sequence[str] | None = None) -> KDConfig:
+    """``KDConfig`` from the command line of ``treadle-train kd``."""
+    return parse_command("kd", argv)
 
 
 def parse_rm(argv: Sequence[str] | None = None) -> RMConfig:
@@ -92,7 +100,7 @@ def flags_snapshot(commands: Sequence[str] | None = None) -> str:
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS", "COMMANDS", "GROUP_ESTIMATORS", "AdvantageEstimator", "ConfigError",
-    "DPOConfig", "KTOConfig", "PPOConfig", "PRMConfig", "RMConfig", "SFTConfig", "command_flags", "dump_yaml",
-    "flags_snapshot", "load_yaml", "parse_command", "parse_dpo", "parse_kto", "parse_ppo", "parse_prm", "parse_rm",
+    "DPOConfig", "KDConfig", "KTOConfig", "PPOConfig", "PRMConfig", "RMConfig", "SFTConfig", "command_flags", "dump_yaml",
+    "flags_snapshot", "load_yaml", "parse_command", "parse_dpo", "parse_kd", "parse_kto", "parse_ppo", "parse_prm", "parse_rm",
     "parse_sft",
 ]

@@ -113,6 +113,16 @@ RENAMED_SFT: Mapping[str, str] = MappingProxyType({
     "--pretrain_mode": "--actor.pretrain_mode_enable",
 })
 
+RENAMED_KD: Mapping[str, str] = MappingProxyType({
+    **_SHARED, **_SUPERVISED,
+    "--input_key": "--data.input_key",
+    "--output_key": "--data.output_key",
+    "--multiturn": "--data.multiturn",
+    "--teacher_model": "--teacher.model_name_or_path",
+    "--teacher_offload": "--teacher.offload",
+    "--kd_coef": "--teacher.kd_coef",
+})
+
 RENAMED_RM: Mapping[str, str] = MappingProxyType({
     **_SHARED, **_SUPERVISED,
     "--prompt_key": "--data.prompt_key",

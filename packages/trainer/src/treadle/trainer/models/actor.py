@@ -79,6 +79,19 @@ def forward_logprobs(module: Callable[..., Any], batch: SeqBatch, *, ring: RingG
                        aux_loss=getattr(out, "aux_loss", None))
 
 
+def target_logits(module: Callable[..., Any], batch: SeqBatch) -> Tensor:
+    """``[K, V]`` logits predicting each of ``batch``'s K target tokens (token t's come from column
+    t - 1), in row-major order of ``batch.target_mask``; only the columns predicting a target run
+    the LM head when the module takes ``logits_to_keep``. No ring attention."""
+    cols = target_columns(batch.target_mask) if keeps_logits(module) else None
+    if cols is None:
+        logits = module(**batch.model_inputs(), use_cache=False).logits[:, :-1]
+        return logits[batch.target_mask[:, 1:].bool()]
+    keep = cols if cols.numel() else cols.new_zeros(1)  # no target at all: one column, none picked
+    logits = module(**batch.model_inputs(), use_cache=False, logits_to_keep=keep).logits  # [R, K', V]
+    return logits[batch.target_mask[:, keep + 1].bool()]
+
+
 def target_columns(target_mask: Tensor) -> Tensor | None:
     """The columns c whose logits predict a target token (token c + 1 is a target in some row),
     ascending; None when that is every column but the last (nothing to skip)."""

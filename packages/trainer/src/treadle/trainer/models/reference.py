@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from treadle.trainer.data.batching import SeqBatch
-from treadle.trainer.models.actor import forward_logprobs
+from treadle.trainer.models.actor import forward_logprobs, target_logits
 from treadle.trainer.ring.group import RingGroup
 
 
@@ -49,6 +49,18 @@ class Reference:
         try:
             return forward_logprobs(self.module, batch, ring=self.ring, temperature=temperature,
                                     targets_only=targets_only).logprobs
+        finally:
+            if self.offload:
+                self.module.to("cpu")
+
+    @torch.no_grad()
+    def target_logits(self, batch: SeqBatch) -> Tensor:
+        """``[K, V]`` logits predicting each of ``batch``'s K target tokens, in row-major order of
+        ``batch.target_mask`` (knowledge distillation's teacher; no ring attention)."""
+        if self.offload:
+            self.module.to(self.device)
+        try:
+            return target_logits(self.module, batch)
         finally:
             if self.offload:
                 self.module.to("cpu")

@@ -1,4 +1,4 @@
-"""Trainers, one module per recipe: ``sft``, ``rm``, ``prm``, ``dpo``, ``kto``, ``ppo`` (RL, with ``ppo_build``); ``base`` holds the loop
+"""Trainers, one module per recipe: ``sft``, ``kd``, ``rm``, ``prm``, ``dpo``, ``kto``, ``ppo`` (RL, with ``ppo_build``); ``base`` holds the loop
 they share and ``build`` the set-up (process group, data, model, engine, logger).
 
 ``RECIPES`` maps a ``treadle-train`` command to its ``run(config)`` (imported lazily by the CLI).
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 RECIPES: dict[str, str] = {
     "sft": "treadle.trainer.trainers.sft",
+    "kd": "treadle.trainer.trainers.kd",
     "rm": "treadle.trainer.trainers.rm",
     "prm": "treadle.trainer.trainers.prm",
     "dpo": "treadle.trainer.trainers.dpo",
