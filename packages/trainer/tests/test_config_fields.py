@@ -62,6 +62,8 @@ REFUSED: list[tuple[str, list[str], str]] = [
 
 BASE = {  # the smallest valid command line of each command
     "sft": ["--actor.model_name_or_path", "m", "--data.dataset", "d"],
+    "kd": ["--actor.model_name_or_path", "m", "--data.dataset", "d", "--data.output_key", "a",
+           "--teacher.model_name_or_path", "t"],
     "rm": ["--actor.model_name_or_path", "m", "--data.dataset", "d"],
     "prm": ["--actor.model_name_or_path", "m", "--data.dataset", "d"],
     "dpo": ["--actor.model_name_or_path", "m", "--data.dataset", "d"],
