@@ -238,3 +238,22 @@ def test_packages_a_run_needs_are_checked_at_start(monkeypatch, tmp_path):
     monkeypatch.setattr(build, "init_distributed", lambda **k: pytest.fail("joined the process group"))
     with pytest.raises(ConfigError, match=r"needs matplotlib: pip install 'treadle-trainer\[train\]'; --logger"):
         build.start(cfg)
+
+
+def test_liger_is_refused_at_start_without_cuda_or_the_package(monkeypatch, tiny):
+    """``--ds.use_liger_kernel`` (Triton kernels) is refused before the process group or any model:
+    on a machine without CUDA, and without liger-kernel; every model folder the flags name is checked."""
+    from treadle.common.config import ConfigError
+    from treadle.trainer.models import loading
+    from treadle.trainer.trainers import build
+
+    cfg = parse_ppo([*PPO, "--ds.use_liger_kernel", "--reward.prm_model_name_or_path", "prm",
+                     "--algo.advantage.estimator", "reinforce"])
+    assert build.model_paths(cfg)[-1] == "prm" and len(build.model_paths(cfg)) == 2
+    monkeypatch.setattr(build, "missing_packages", lambda c: [])
+    monkeypatch.setattr(build, "init_distributed", lambda **k: pytest.fail("joined the process group"))
+    with pytest.raises(ConfigError, match=r"^--ds\.use_liger_kernel needs CUDA"):
+        build.start(cfg)
+    monkeypatch.setattr(loading.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ConfigError, match=r"needs liger-kernel: pip install 'treadle-trainer\[liger\]'"):
+        loading.check_liger([str(tiny)], cuda=True)

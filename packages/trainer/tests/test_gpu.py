@@ -188,3 +188,30 @@ def _samples_of(lengths: tuple[int, ...]) -> list[Sample]:
     g = torch.Generator().manual_seed(1)
     return [Sample(seqs=(TokenSeq.of(torch.randint(3, 500, (n,), generator=g).tolist(), [True] * n),), index=i)
             for i, n in enumerate(lengths)]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("liger_kernel") is None, reason="needs liger-kernel")
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_liger_kernels_patch_the_model_and_keep_its_logprobs_and_gradients(tiny, dtype):
+    """``--ds.use_liger_kernel``: the tiny Qwen2's norms and MLPs become Liger's modules, and the
+    log-probs and the gradient of their sum stay those of the unpatched model (fp32: 1e-4; bf16:
+    the kernels' own rounding)."""
+    from treadle.trainer.models.loading import check_liger
+
+    check_liger([str(tiny)])
+    samples = _samples()
+    pack = pack_batch(samples).to("cuda")
+    outs = []
+    for liger in (False, True):
+        ds = DeepSpeedConfig(param_dtype=dtype, attn_implementation="sdpa", use_liger_kernel=liger)
+        model = load_causal_lm(str(tiny), ds, trainable=True).cuda()
+        names = {type(m).__name__ for m in model.modules()}
+        assert ("LigerRMSNorm" in names and "LigerSwiGLUMLP" in names) == liger, names
+        logprobs = Actor(model)(pack).logprobs
+        logprobs[pack.target_mask].sum().backward()
+        grad = model.model.layers[0].mlp.down_proj.weight.grad.float()
+        outs.append((logprobs.detach().float(), grad))
+    (a, ga), (b, gb) = outs
+    tol = 1e-4 if dtype == "fp32" else 0.15
+    assert (a[pack.target_mask] - b[pack.target_mask]).abs().max().item() < tol
+    assert torch.allclose(ga, gb, rtol=1e-2 if dtype == "fp32" else 0.1, atol=1e-4 if dtype == "fp32" else 1e-2)

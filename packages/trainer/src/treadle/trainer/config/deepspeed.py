@@ -56,7 +56,7 @@ class DeepSpeedConfig:
     experts_implementation: Literal["eager", "batched_mm", "grouped_mm", "deepgemm"] | None = None
     """MoE expert computation passed to transformers; None lets transformers choose."""
     use_liger_kernel: bool = False
-    """Use Liger fused kernels."""
+    """Liger's Triton kernels (RoPE, RMSNorm, SwiGLU MLP) patched into every model loaded (CUDA and liger-kernel needed: treadle-trainer[liger]; refused at start otherwise, or for a model type Liger does not cover)."""
     grad_accum_dtype: Literal["fp32", "bf16", "fp16"] | None = None
     """Dtype of gradient accumulation buffers; None: DeepSpeed's default."""
     overlap_comm: bool | None = None

@@ -4,8 +4,8 @@ Resolves the attention kernel (flash-attention where installed on CUDA; packed r
 without it: ``treadle_varlen``, PyTorch's varlen flash kernel, since SDPA would materialise a
 block-diagonal mask over the whole row; else SDPA; unless the user named one; ring attention
 when ``--ds.ring_attn_size > 1``), the parameter dtype,
-gradient checkpointing and LoRA adapters (peft). The model is returned on the CPU: placing it
-is DeepSpeed's job (``strategy.deepspeed``).
+gradient checkpointing, LoRA adapters (peft) and Liger's kernels (``--ds.use_liger_kernel``). The
+model is returned on the CPU: placing it is DeepSpeed's job (``strategy.deepspeed``).
 
 Not here: distributed wiring, optimizers, saving (``checkpoint.export``).
 """
@@ -100,6 +100,8 @@ def load_causal_lm(path: str, ds: DeepSpeedConfig, *, trainable: bool, gradient_
 
     model = AutoModelForCausalLM.from_pretrained(path, **_common_kwargs(ds))
     model.config.use_cache = False
+    if ds.use_liger_kernel:
+        apply_liger(model)
     return prepare(model, ds, trainable=trainable, gradient_checkpointing=gradient_checkpointing, reentrant=reentrant)
 
 
@@ -109,7 +111,52 @@ def load_backbone(path: str, ds: DeepSpeedConfig) -> torch.nn.Module:
 
     model = AutoModel.from_pretrained(path, **_common_kwargs(ds))
     model.config.use_cache = False
+    if ds.use_liger_kernel:
+        apply_liger(model)
     return model
+
+
+LIGER_KERNELS = {"rope": True, "rms_norm": True, "swiglu": True, "cross_entropy": False,
+                 "fused_linear_cross_entropy": False}
+"""What ``--ds.use_liger_kernel`` patches in: Liger's Triton RoPE, RMSNorm and SwiGLU-MLP kernels.
+Its fused linear cross-entropy is left out: it replaces the forward's ``labels`` loss, which no
+treadle loss calls (log-probs come from the logits, ``ops.logprobs``, at target columns only);
+OpenRLHF's ``AutoLigerKernelForCausalLM`` likewise computes the actor's logits unfused."""
+
+
+def liger_model_types() -> frozenset[str]:
+    """The ``config.model_type`` values Liger has kernels for (needs liger-kernel)."""
+    from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN  # noqa: PLC0415
+
+    return frozenset(MODEL_TYPE_TO_APPLY_LIGER_FN)
+
+
+def check_liger(paths: list[str], *, cuda: bool | None = None) -> None:
+    """``--ds.use_liger_kernel``'s needs, checked before any weights load: CUDA (Triton kernels),
+    the liger-kernel package, and a model type Liger patches for each of ``paths`` (read from
+    their config.json; Liger itself would skip an unknown type silently)."""
+    from transformers import AutoConfig  # noqa: PLC0415
+
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    if not cuda:
+        raise ConfigError("--ds.use_liger_kernel needs CUDA: Liger's kernels are Triton GPU kernels (leave it off "
+                          "on CPU)")
+    if importlib.util.find_spec("liger_kernel") is None:
+        raise ConfigError("--ds.use_liger_kernel needs liger-kernel: pip install 'treadle-trainer[liger]'")
+    known = liger_model_types()
+    for path in paths:
+        kind = AutoConfig.from_pretrained(path).model_type
+        if kind not in known:
+            raise ConfigError(f"--ds.use_liger_kernel: Liger has no kernels for model type {kind!r} ({path}); "
+                              f"it patches {', '.join(sorted(known))}")
+
+
+def apply_liger(model: torch.nn.Module) -> None:
+    """Patch Liger's kernels (``LIGER_KERNELS``) into the loaded ``model`` (its class's module too:
+    Liger swaps the RoPE function module-wide)."""
+    from liger_kernel.transformers.monkey_patch import _apply_liger_kernel_to_instance  # noqa: PLC0415
+
+    _apply_liger_kernel_to_instance(model=model, **LIGER_KERNELS)
 
 
 def prepare(model: torch.nn.Module, ds: DeepSpeedConfig, *, trainable: bool, gradient_checkpointing: bool,

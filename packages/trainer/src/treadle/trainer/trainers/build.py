@@ -7,6 +7,7 @@ the others read its cache file (``datasets``).
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import importlib.util
 from collections.abc import Callable
@@ -26,7 +27,7 @@ from treadle.trainer.data.formatting import Formatter
 from treadle.trainer.data.order import StepOrder
 from treadle.trainer.data.samples import Sample
 from treadle.trainer.data.sources import DataError, Row, data_files, load_mixture
-from treadle.trainer.models.loading import load_causal_lm, load_tokenizer
+from treadle.trainer.models.loading import check_liger, load_causal_lm, load_tokenizer
 from treadle.trainer.models.reference import Reference
 from treadle.trainer.ring.group import (
     DataParallel,
@@ -55,7 +56,6 @@ def _refuse_unavailable(cfg: Any, *, ring_supported: bool, sleep_supported: bool
     unavailable = {
         "--ds.ring_attn_size > 1 (ring attention)": cfg.ds.ring_attn_size > 1 and not ring_supported,
         "--ds.tensor_parallel_size > 1 (AutoTP)": cfg.ds.tensor_parallel_size > 1 and not tp_supported,
-        "--ds.use_liger_kernel": cfg.ds.use_liger_kernel,
         "--ds.use_universal_ckpt": cfg.ds.use_universal_ckpt,
         "--ds.enable_sleep": cfg.ds.enable_sleep and not sleep_supported,
         "--actor.aux_loss_coef > 0 (MoE load balancing)": cfg.actor.aux_loss_coef > 0,
@@ -63,6 +63,19 @@ def _refuse_unavailable(cfg: Any, *, ring_supported: bool, sleep_supported: bool
     used = [flag for flag, on in unavailable.items() if on]
     if used:
         raise ConfigError(f"{', '.join(used)}: not available in this trainer yet")
+
+
+def model_paths(cfg: Any) -> list[str]:
+    """Every model folder the flags name (``--<section>.*model_name_or_path``: actor, reference,
+    critic, reward, PRM, teacher), in section order; pure."""
+    paths: list[str] = []
+    for top in dataclasses.fields(cfg):
+        section = getattr(cfg, top.name)
+        for f in dataclasses.fields(section) if dataclasses.is_dataclass(section) else ():
+            value = getattr(section, f.name)
+            if f.name.endswith("model_name_or_path") and isinstance(value, str) and value and value not in paths:
+                paths.append(value)
+    return paths
 
 
 def missing_packages(cfg: Any, find: Callable[[str], Any] = importlib.util.find_spec) -> list[str]:
@@ -90,6 +103,8 @@ def start(cfg: Any, *, ring_supported: bool = False, sleep_supported: bool = Fal
                         tp_supported=tp_supported)
     if missing := missing_packages(cfg):
         raise ConfigError("; ".join(missing))
+    if cfg.ds.use_liger_kernel:
+        check_liger(model_paths(cfg))
     dist = init_distributed(launched_by_deepspeed=cfg.local_rank >= 0)
     torch.manual_seed(cfg.train.seed)
     if cfg.train.full_determinism_enable:
