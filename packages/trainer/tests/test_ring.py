@@ -211,3 +211,25 @@ def test_ring_on_two_gpus_over_nccl(tiny, data, tmp_path, run_torchrun):
     _check_model(r, [2])
     _check_same_run(r["sft"]["ring1_zero2"], r["sft"]["ring2_zero2"])
     _check_same_run(r["sft"]["ring1_zero2"], r["sft"]["ring2_zero3"])
+
+
+def test_a_head_stride_that_does_not_divide_the_heads_is_refused_before_the_process_group(tiny, monkeypatch):
+    """``--ds.ring_attn_head_stride`` is checked against the model's config.json at start (it was
+    refused only inside the first forward, after the models had loaded)."""
+    import json
+
+    from treadle.common.config import ConfigError
+    from treadle.trainer.config import parse_command
+    from treadle.trainer.ring.attention import head_stride_error
+    from treadle.trainer.trainers import build
+
+    kv = json.loads((tiny / "config.json").read_text())["num_key_value_heads"]
+    assert head_stride_error(kv, 2 * kv, kv) is None and head_stride_error(kv + 1, 2 * kv, kv) is not None
+    cfg = parse_command("sft", ["--actor.model_name_or_path", str(tiny), "--data.dataset", "d",
+                                "--ds.ring_attn_size", "2", "--ds.ring_attn_head_stride", str(kv + 1),
+                                "--ds.packing_samples"])
+    monkeypatch.setattr(build, "missing_packages", lambda c: [])
+    monkeypatch.setattr(build, "init_distributed", lambda **k: pytest.fail("joined the process group"))
+    with pytest.raises(ConfigError, match=rf"--ds\.ring_attn_head_stride {kv + 1} must divide the {kv} key/value "
+                                          rf"heads .* of {tiny}"):
+        build.start(cfg, ring_supported=True)

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from treadle.common.config import ConfigError
 from treadle.trainer.ring.shard import RING_KWARG, RingShard
 
 RING_ATTN_NAME = "treadle_ring"
@@ -55,14 +56,36 @@ KERNELS = {"torch": _torch, "flash": _flash}
 """Backend name -> kernel (q [H, T, d], k, v [Hk, T, d], shard, scale) -> [H, T, d]."""
 
 
+def head_stride_error(stride: int, heads: int, heads_kv: int) -> str | None:
+    """Why ``--ds.ring_attn_head_stride`` ``stride`` cannot split a model of ``heads`` query and
+    ``heads_kv`` key/value heads, or None when it can (pure)."""
+    if heads % heads_kv or heads_kv % stride:
+        return (f"--ds.ring_attn_head_stride {stride} must divide the {heads_kv} key/value heads "
+                f"(and those the {heads} query heads)")
+    return None
+
+
+def check_head_stride(stride: int, paths: list[str]) -> None:
+    """``head_stride_error`` for each model folder of ``paths`` (their config.json), before any
+    weights load; ConfigError naming the first that fails."""
+    from transformers import AutoConfig  # noqa: PLC0415
+
+    for path in paths:
+        c = AutoConfig.from_pretrained(path)
+        heads = getattr(c, "num_attention_heads", None)
+        if heads is None:
+            continue
+        if error := head_stride_error(stride, heads, getattr(c, "num_key_value_heads", None) or heads):
+            raise ConfigError(f"{error} of {path}")
+
+
 def ring_attention(q: Tensor, k: Tensor, v: Tensor, shard: RingShard, scale: float) -> Tensor:
     """Causal attention of each packed sequence over the whole ring: q [H, T_local, d], k, v
     [Hk, T_local, d] (Hk divides H; query head h uses key head h // (H / Hk)) -> [H, T_local, d]."""
     heads, heads_kv = q.shape[0], k.shape[0]
     stride = shard.ring.head_stride
-    if heads % heads_kv or heads_kv % stride:
-        raise ValueError(f"--ds.ring_attn_head_stride {stride} must divide the {heads_kv} key/value heads "
-                         f"(and those the {heads} query heads)")
+    if error := head_stride_error(stride, heads, heads_kv):
+        raise ValueError(error)
     half = q.dtype in (torch.float16, torch.bfloat16)
     kernel, group = KERNELS["flash" if shard.ring.backend == "flash" and half else "torch"], heads // heads_kv
     if stride == heads_kv:

@@ -29,6 +29,7 @@ from treadle.trainer.data.samples import Sample
 from treadle.trainer.data.sources import DataError, Row, data_files, load_mixture
 from treadle.trainer.models.loading import check_liger, load_causal_lm, load_tokenizer
 from treadle.trainer.models.reference import Reference
+from treadle.trainer.ring.attention import check_head_stride
 from treadle.trainer.ring.group import (
     DataParallel,
     RingGroup,
@@ -105,6 +106,8 @@ def start(cfg: Any, *, ring_supported: bool = False, sleep_supported: bool = Fal
         raise ConfigError("; ".join(missing))
     if cfg.ds.use_liger_kernel:
         check_liger(model_paths(cfg))
+    if cfg.ds.ring_attn_size > 1 and cfg.ds.ring_attn_head_stride > 1:
+        check_head_stride(cfg.ds.ring_attn_head_stride, model_paths(cfg))
     dist = init_distributed(launched_by_deepspeed=cfg.local_rank >= 0)
     torch.manual_seed(cfg.train.seed)
     if cfg.train.full_determinism_enable:
