@@ -243,6 +243,22 @@ def test_gae_without_a_critic_flag_starts_the_critic_from_the_actor(tiny, task, 
     assert rows and all("critic/loss" in r and r["samples"] > 0 for r in rows)
 
 
+def test_a_run_whose_every_group_is_filtered_fails_naming_the_filter(tiny, task, daemon, helpers, tmp_path):
+    """Every group's mean reward (0.5, a constant) outside --algo.dynamic_filtering_range 0.6 1:
+    the prompts run out with no step trained. That exited 0 with nothing logged; now it exits
+    non-zero naming the filter and the count, before any export."""
+    (tmp_path / "constant.py").write_text(CONSTANT)
+    args = ppo_args(tiny, task, tmp_path, daemon, "--data.max_samples", "8", "--train.num_episodes", "1",
+                    "--algo.dynamic_filtering_enable", "--algo.dynamic_filtering_range", "0.6", "1.0")
+    args[args.index(str(task["reward"]))] = str(tmp_path / "constant.py")
+    proc = subprocess.run([sys.executable, "-m", "treadle.trainer.cli", *args], env=helpers.child_env(),
+                          capture_output=True, text=True, timeout=600, cwd=helpers.root)
+    assert proc.returncode != 0
+    assert ("no step was trained; the prompts ran out after 0 of 2 steps: groups dropped: "
+            "8 filtered by --algo.dynamic_filtering_range 0.6 1") in proc.stderr, proc.stderr[-3000:]
+    assert not (tmp_path / "model" / "model.safetensors").exists()
+
+
 @pytest.mark.slow
 def test_colocate_all_with_async_runs_async_with_its_own_engines(tiny, task, helpers, tmp_path):
     """--train.colocate_all --train.async_enable, refused before: as OpenRLHF, a warning, then an

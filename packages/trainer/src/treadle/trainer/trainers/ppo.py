@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from treadle.common.config import ConfigError
 from treadle.common.log import get_logger
 from treadle.common.metrics import plot_curves
 from treadle.common.records import Trajectory
@@ -422,9 +423,11 @@ class PPOTrainer:
         total = self.total_steps
         bar = tqdm(total=total, initial=state.global_step, disable=not main, desc="ppo", dynamic_ncols=True)
         saved_at = state.global_step if state.global_step else None
+        drops: collections.Counter[str] = collections.Counter()  # rank 0: groups dropped over the run
         while state.global_step < total:
             t0 = time.perf_counter()
             trajs, dropped, counts = self.gather_batch() if main else (None, [], {})
+            drops.update(counts)
             t_gen = time.perf_counter()
             if self._stop_flag(main and not trajs):
                 break
@@ -468,12 +471,29 @@ class PPOTrainer:
         bar.close()
         if main and cfg.train.async_enable:
             self.p.generator.stop()
+        if state.global_step < total:
+            self._ran_out(state.global_step, total, drops)
         if saved_at != state.global_step:
             self.save(state)
         self.export(Path(cfg.ckpt.output_dir))
         if cfg.critic.save_value_network:  # the config allows it with a critic (gae) only
             self.export_critic(Path(cfg.critic_output_dir))
         return state
+
+    def _ran_out(self, done: int, total: int, drops: collections.Counter[str]) -> None:
+        """The prompts ran out before ``total`` steps (groups were dropped: filtered, failed or
+        stale): a warning naming rank 0's counts, or, when not one step was trained, a ConfigError on
+        every rank (``done`` is the same on all), before anything is exported."""
+        lo, hi = self.cfg.algo.dynamic_filtering_range
+        names = {"filtered_groups": f"filtered by --algo.dynamic_filtering_range {lo:g} {hi:g}",
+                 "failed_groups": "failed (a generation or reward error)",
+                 "stale_groups": f"older than --train.async_queue_size {self.cfg.train.async_queue_size}"}
+        why = "; ".join(f"{n} {names.get(k, k)}" for k, n in sorted(drops.items()) if n) if self.dist.is_main \
+            else "rank 0's log says which"
+        msg = f"the prompts ran out after {done} of {total} steps: groups dropped: {why or 'none'}"
+        if done == 0:
+            raise ConfigError(f"no step was trained; {msg}")
+        log.warning(msg)
 
     def _best_key(self) -> str | None:
         """The eval metric that picks the best checkpoint; None: none is kept."""
