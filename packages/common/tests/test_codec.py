@@ -183,6 +183,32 @@ def test_stream_reply_envelope_fields():
     assert (m.v, m.id, m.op, m.method) == (PROTOCOL_MAJOR, 77, "chunk", "g")
 
 
+def test_top_logprobs_travel_as_buffers_and_only_when_asked():
+    n, k = 4096, 20  # a long sample with OpenAI's most alternatives: 640 KiB of out-of-band buffers
+    rng = np.random.default_rng(0)
+    res = GenerateResult(response_token_ids=np.arange(n, dtype=np.int32), logprobs=np.full(n, -1.0, np.float32),
+                         top_token_ids=rng.integers(0, 1000, (n, k), dtype=np.int32),
+                         top_logprobs=-np.sort(rng.random((n, k), dtype=np.float32), axis=1))
+    frames = encode(res)
+    assert len(frames) == 5 and max(len(memoryview(f).cast("B")) for f in frames[1:]) == n * k * 4
+    assert same(decode(frames, max_frame_bytes=n * k * 4).msg, res)
+    plain = GenerateResult(response_token_ids=np.arange(3, dtype=np.int32), logprobs=np.zeros(3, np.float32))
+    assert b"top_" not in bytes(memoryview(encode(plain)[0]).cast("B"))  # RL traffic carries none of it
+
+
+@pytest.mark.parametrize("ids_shape,lps_shape,match", [
+    ((3, 2), None, "come together"),
+    ((3, 21), (3, 21), r"shape \[3, k\]"),
+    ((2, 2), (2, 2), r"shape \[3, k\]"),
+    ((3, 2), (3, 3), "must match"),
+    ((3,), (3,), r"shape \[3, k\]"),
+])
+def test_top_logprobs_shapes_are_checked(ids_shape, lps_shape, match):
+    with pytest.raises(ValueError, match=match):
+        GenerateResult(response_token_ids=np.arange(3, dtype=np.int32), top_token_ids=np.zeros(ids_shape, np.int32),
+                       top_logprobs=None if lps_shape is None else np.zeros(lps_shape, np.float32))
+
+
 def test_every_record_type_has_a_golden_example():
     assert set(goldens.examples()) == set(RECORD_TYPES)
 

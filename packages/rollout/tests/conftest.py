@@ -108,9 +108,9 @@ def subject(request: pytest.FixtureRequest) -> Subject:
     return request.getfixturevalue(f"{request.param}_engine")
 
 
-def reference_logprobs(model: Any, prompt: Any, response: Any, temperature: float = 1.0,
-                       top_k: int = -1, top_p: float = 1.0) -> np.ndarray:
-    """float64 [R]: log-prob of each response token under the HF model's processed distribution.
+def reference_distributions(model: Any, prompt: Any, response: Any, temperature: float = 1.0,
+                            top_k: int = -1, top_p: float = 1.0) -> torch.Tensor:
+    """float64 [R, V]: the HF model's processed distribution (log-probs) at each response token.
 
     Written independently of the engines: softmax(logits / T) restricted to the top-k tokens and
     then to the smallest top set whose mass reaches top_p (ties at the cut kept), renormalised.
@@ -121,7 +121,7 @@ def reference_logprobs(model: Any, prompt: Any, response: Any, temperature: floa
     with torch.no_grad():
         logits = model(ids).logits[0, len(p) - 1:-1].double()
     out = []
-    for t, tok in enumerate(r.tolist()):
+    for t in range(len(r)):
         z = logits[t] / (temperature if temperature > 0 else 1.0)
         keep = torch.ones_like(z, dtype=torch.bool)
         if temperature > 0 and top_k > 0:
@@ -134,8 +134,16 @@ def reference_logprobs(model: Any, prompt: Any, response: Any, temperature: floa
             mask = torch.zeros_like(keep)
             mask[kept] = True
             keep &= mask
-        out.append(torch.log_softmax(z.masked_fill(~keep, -torch.inf), -1)[tok].item())
-    return np.asarray(out)
+        out.append(torch.log_softmax(z.masked_fill(~keep, -torch.inf), -1))
+    return torch.stack(out) if out else torch.zeros(0, 0, dtype=torch.float64)
+
+
+def reference_logprobs(model: Any, prompt: Any, response: Any, temperature: float = 1.0,
+                       top_k: int = -1, top_p: float = 1.0) -> np.ndarray:
+    """float64 [R]: log-prob of each response token under the HF model's processed distribution."""
+    dist = reference_distributions(model, prompt, response, temperature, top_k, top_p)
+    r = torch.as_tensor(np.asarray(response, dtype=np.int64))
+    return dist.gather(1, r[:, None]).squeeze(1).numpy()
 
 
 def reference_prompt_logprobs(model: Any, ids: Any) -> np.ndarray:
@@ -150,5 +158,6 @@ def tools() -> Any:
     """The helpers above, for test modules (conftest is not importable under importlib mode)."""
     from types import SimpleNamespace
 
-    return SimpleNamespace(logprobs=reference_logprobs, prompt_logprobs=reference_prompt_logprobs,
+    return SimpleNamespace(logprobs=reference_logprobs, distributions=reference_distributions,
+                           prompt_logprobs=reference_prompt_logprobs,
                            checkpoint=checkpoint, free_port=free_port, send_buckets=send_buckets)

@@ -82,6 +82,25 @@ def test_vllm_features_missing_from_older_vllm_are_filled_in(monkeypatch):
         ve._async_llm_class.cache_clear()
 
 
+@pytest.mark.parametrize("flat", [False, True])
+def test_vllm_logprob_maps_cut_back_to_the_top_k(flat):
+    """vLLM's own construction of a position's map (sampled token first, then the top k; a sampled
+    token among them merged into its top-k entry): ``_alternatives`` gives the top k in order."""
+    pytest.importorskip("vllm")
+    from vllm.logprobs import append_logprobs_for_next_position, create_sample_logprobs
+
+    from treadle.rollout.engine.vllm_engine import _alternatives
+
+    maps = create_sample_logprobs(flat)
+    top = ([11, 12, 13], [-0.1, -0.5, -0.9])
+    append_logprobs_for_next_position(maps, [99, *top[0]], [-4.0, *top[1]], [None] * 4, rank=40, num_logprobs=3)
+    append_logprobs_for_next_position(maps, [12, *top[0]], [-0.5, *top[1]], [None] * 4, rank=2, num_logprobs=3)
+    append_logprobs_for_next_position(maps, [7], [-2.0], [None], rank=5, num_logprobs=0)
+    assert _alternatives(maps[0], 99, 3) == ([11, 12, 13], [-0.1, -0.5, -0.9])  # sampled outside: dropped
+    assert _alternatives(maps[1], 12, 3) == ([11, 12, 13], [-0.1, -0.5, -0.9])  # sampled inside: kept once
+    assert _alternatives(maps[2], 7, 0) == ([], [])
+
+
 def test_vllm_digest_without_compute_weight_checksums_hashes_the_same_bytes(vllm_engine):
     """The digest path for a vLLM without ``compute_weight_checksums`` (0.26, the GPU machine's):
     per-tensor sha256 of what ``save_sharded_state`` wrote equals vLLM's own checksum of each

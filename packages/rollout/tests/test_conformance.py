@@ -125,6 +125,48 @@ def test_logprobs_match_hf_model(subject, ref, tools, temperature, top_k, top_p)
     assert gap <= TOL
 
 
+@pytest.mark.parametrize("temperature,top_k,top_p", [(0.0, -1, 1.0), (0.8, -1, 1.0), (1.0, 3, 1.0), (0.9, -1, 0.6)])
+def test_top_logprobs_are_the_sampling_distributions_top_k(subject, ref, tools, temperature, top_k, top_p):
+    """top_logprobs=k: per token the k most likely tokens of the distribution it was drawn from,
+    most likely first, equal to log_softmax of the HF model's processed logits; the sampled token's
+    own entry equals its logprob whenever it is among them; asking changes no sampled token."""
+    k, n = 5, 1 if temperature == 0 else 2
+    kw = dict(n=n, temperature=temperature, top_k=top_k, top_p=top_p, max_tokens=10, seed=7)
+    res = run(subject, request(PROMPTS[0], top_logprobs=k, **kw))
+    plain = run(subject, request(PROMPTS[0], **kw))
+    assert plain[0].top_token_ids is None and plain[0].top_logprobs is None  # not asked: nothing on the wire
+    seen_inside = 0
+    for r, p in zip(res, plain, strict=True):
+        assert r.response_token_ids.tolist() == p.response_token_ids.tolist()
+        ids, lps = r.top_token_ids, r.top_logprobs
+        assert ids.dtype == np.int32 and lps.dtype == np.float32 and ids.shape == lps.shape == (10, k)
+        assert (lps[:, :-1] >= lps[:, 1:]).all()  # sorted, most likely first (-inf >= -inf holds)
+        want = tools.distributions(ref["a"], PROMPTS[0], r.response_token_ids, temperature, top_k, top_p).numpy()
+        for t, tok in enumerate(r.response_token_ids.tolist()):
+            best = np.sort(want[t])[::-1][:k]
+            finite = np.isfinite(best)
+            assert (np.isfinite(lps[t]) == finite).all(), (t, lps[t], best)  # -inf where top-k / top-p cut
+            assert np.abs(lps[t][finite] - best[finite]).max() <= TOL
+            assert np.abs(want[t][ids[t][finite]] - lps[t][finite]).max() <= TOL  # the ids carry those values
+            assert len(set(ids[t][finite].tolist())) == int(finite.sum())
+            if tok in ids[t].tolist():
+                seen_inside += 1
+                assert abs(lps[t][ids[t].tolist().index(tok)] - r.logprobs[t]) <= 1e-5
+            else:
+                assert want[t][tok] <= lps[t][-1] + TOL  # left out only when k others are at least as likely
+    if temperature == 0 or 0 < top_k <= k:  # the sampled token is one of the k most likely: always listed
+        assert seen_inside == sum(len(r.response_token_ids) for r in res)
+    if temperature == 0:
+        assert all(r.top_token_ids[:, 0].tolist() == r.response_token_ids.tolist() for r in res)
+
+
+def test_top_logprobs_above_the_limit_are_refused():
+    with pytest.raises(ValueError, match="top_logprobs must be in \\[0, 20\\]"):
+        SamplingParams(top_logprobs=21)
+    with pytest.raises(ValueError, match="needs logprobs=True"):
+        SamplingParams(top_logprobs=2, logprobs=False)
+
+
 def test_prompt_logprobs_match_hf_model(subject, ref, tools):
     want = tools.prompt_logprobs(ref["a"], PROMPTS[2])
     got = subject.aio(subject.engine.prompt_logprobs(PROMPTS[2]))

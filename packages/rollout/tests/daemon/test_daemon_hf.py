@@ -69,6 +69,17 @@ def test_sync_client_does_the_same(hf_daemon):
     assert [r.response_token_ids.tolist() for r in res] == [r.response_token_ids.tolist() for r in streamed]
 
 
+def test_top_logprobs_cross_the_daemon(hf_daemon, aio, ref, tools):
+    res = hf_daemon.call(aio, lambda rc: rc.generate(PROMPT, sp(n=2, max_tokens=6, seed=4, top_logprobs=3)))
+    for r in res:  # through the daemon and its engine worker processes: the [R, k] buffers arrive whole
+        assert r.top_token_ids.shape == r.top_logprobs.shape == (6, 3) and r.top_token_ids.dtype == np.int32
+        want = tools.distributions(ref["a"], PROMPT, r.response_token_ids).numpy()
+        assert np.abs(np.take_along_axis(want, r.top_token_ids.astype(np.int64), 1) - r.top_logprobs).max() <= TOL
+        assert np.abs(np.sort(want, 1)[:, ::-1][:, :3] - r.top_logprobs).max() <= TOL
+    plain = hf_daemon.call(aio, lambda rc: rc.generate(PROMPT, sp(max_tokens=2)))
+    assert plain[0].top_token_ids is None
+
+
 def test_prompt_logprobs_match_hf(hf_daemon, aio, ref, tools):
     ids = np.arange(100, 130, dtype=np.int32)
     got = hf_daemon.call(aio, lambda rc: rc.prompt_logprobs(ids))

@@ -24,6 +24,8 @@ Array = Annotated[Any, "numpy.ndarray | torch.Tensor"]
 RECORD_TYPES: dict[str, type[Record]] = {}
 
 FinishReason = Literal["stop", "length", "abort", "error"]
+MAX_TOP_LOGPROBS = 20
+"""Most alternatives per sampled token a request may ask for (OpenAI's and vLLM's default limit)."""
 Transport = Literal["inline", "collective", "cuda_ipc"]
 
 
@@ -75,6 +77,15 @@ def _check_1d(name: str, a: Any, n: int | None = None) -> None:
         raise ValueError(f"{name} has length {_length(a)}, expected {n} (one per response token)")
 
 
+def _check_top(name: str, a: Any, n: int) -> None:
+    """``a`` is [n, k] with 1 <= k <= MAX_TOP_LOGPROBS (the alternatives of n sampled tokens)."""
+    if not is_array(a):
+        raise ValueError(f"{name} must be an array, got {type(a).__name__} {str(a)[:80]}")
+    if a.ndim != 2 or a.shape[0] != n or not 1 <= a.shape[1] <= MAX_TOP_LOGPROBS:
+        raise ValueError(f"{name} must have shape [{n}, k] (one row per response token, 1 <= k <= "
+                         f"{MAX_TOP_LOGPROBS}), got {tuple(a.shape)}")
+
+
 class SamplingParams(Record, frozen=True):
     """How an engine samples; mirrors vLLM's SamplingParams subset that RL needs."""
 
@@ -98,6 +109,10 @@ class SamplingParams(Record, frozen=True):
     """Return the logprob of every sampled token (of the sampling distribution)."""
     prompt_logprobs: bool = False
     """Also return the logprob of every prompt token after the first (the canary uses it)."""
+    top_logprobs: int = 0
+    """Also return, per sampled token, the ``top_logprobs`` most likely tokens of the sampling
+    distribution and their logprobs (vLLM's ``logprobs=k``: the top k, plus the sampled token's
+    own in ``logprobs``); 0..``MAX_TOP_LOGPROBS``, needs ``logprobs``; 0 (RL): none on the wire."""
 
     def __post_init__(self) -> None:
         if self.n < 1:
@@ -114,6 +129,10 @@ class SamplingParams(Record, frozen=True):
             raise ValueError(
                 f"SamplingParams.min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"
             )
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"SamplingParams.top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("SamplingParams.top_logprobs needs logprobs=True")
 
 
 class GenerateRequest(Record):
@@ -153,11 +172,26 @@ class GenerateResult(Record):
     """Policy version of the weights that produced every token of this sample."""
     engine_id: str = ""
     """Which engine served it."""
+    top_token_ids: Array | None = None
+    """int32 [R, k]: per sampled token, the k = ``sampling.top_logprobs`` most likely token ids of
+    the sampling distribution, most likely first (k fewer only for a vocabulary below k); None
+    when not asked for."""
+    top_logprobs: Array | None = None
+    """float32 [R, k]: their logprobs, descending (``-inf`` for tokens top-k / top-p cut away)."""
 
     def __post_init__(self) -> None:
         _check_1d("GenerateResult.response_token_ids", self.response_token_ids)
+        n = _length(self.response_token_ids)
         if self.logprobs is not None:
-            _check_1d("GenerateResult.logprobs", self.logprobs, _length(self.response_token_ids))
+            _check_1d("GenerateResult.logprobs", self.logprobs, n)
+        if (self.top_token_ids is None) != (self.top_logprobs is None):
+            raise ValueError("GenerateResult.top_token_ids and top_logprobs come together (one is None)")
+        if self.top_token_ids is not None:
+            _check_top("GenerateResult.top_token_ids", self.top_token_ids, n)
+            _check_top("GenerateResult.top_logprobs", self.top_logprobs, n)
+            if tuple(self.top_token_ids.shape) != tuple(self.top_logprobs.shape):
+                raise ValueError(f"GenerateResult.top_token_ids has shape {tuple(self.top_token_ids.shape)}, "
+                                 f"top_logprobs {tuple(self.top_logprobs.shape)}: they must match")
 
 
 class Trajectory(Record):

@@ -25,7 +25,9 @@ Each backend receives weights through one set of hooks, one per transport: ``_lo
 ``_leave_group`` (collective).
 
 Sampling contract: sample ``i`` of a request with ``seed=s`` uses seed ``s + i`` (vLLM's rule);
-greedy (``temperature == 0``) logprobs are the plain ``log_softmax`` of the logits. A sample ends
+greedy (``temperature == 0``) logprobs are the plain ``log_softmax`` of the logits; with
+``top_logprobs = k`` a result also carries, per token, the k most likely tokens of that same
+distribution and their logprobs (``[R, k]``, most likely first). A sample ends
 with "stop" on a token of ``stop_token_ids`` or of the engine's EOS ids (never before
 ``min_tokens``; the stop token is kept), with "length" at ``max_tokens`` (a request whose
 prompt + ``max_tokens`` exceeds the engine's ``max_model_len`` is refused up front).

@@ -47,7 +47,13 @@ from treadle.common.records import (
 )
 from treadle.common.weights import WeightGroup, bucket_ranges, bucket_views, receive_buckets
 from treadle.rollout.engine.base import Engine
-from treadle.rollout.engine.sampling import GREEDY_EPS, mask_stop_tokens, processed_logprobs, sample
+from treadle.rollout.engine.sampling import (
+    GREEDY_EPS,
+    mask_stop_tokens,
+    processed_logprobs,
+    sample,
+    top_logprobs,
+)
 from treadle.rollout.engine.state import SleepState
 from treadle.rollout.engine.weights import (
     ADAPTER_PREFIX,
@@ -103,6 +109,8 @@ class _Row:
     gen: torch.Generator | None
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    top_ids: list[list[int]] = field(default_factory=list)  # per token: its k alternatives (k = top_logprobs)
+    top_lps: list[list[float]] = field(default_factory=list)
 
 
 @dataclass(slots=True, eq=False)
@@ -180,7 +188,7 @@ class HfEngine(Engine):
             self._loop_task.cancel()
             await asyncio.gather(self._loop_task, return_exceptions=True)
         for row in self._running:  # the cancelled batch's samples still owe their consumers a result
-            row.r.results.put_nowait(self._result(row.r, row.index, row.tokens, row.logprobs, "abort"))
+            row.r.results.put_nowait(self._result(row, "abort"))
         self._running = []
         if self._wgroup is not None:
             self._wgroup.close()
@@ -214,19 +222,23 @@ class HfEngine(Engine):
         for r in [r for r in self._queue if pred(r)]:
             self._queue.remove(r)
             for i in range(r.req.sampling.n):
-                r.results.put_nowait(self._result(r, i, [], [], "abort"))
+                r.results.put_nowait(self._result(_Row(r=r, index=i, gen=None), "abort"))
             n += r.req.sampling.n
         return n
 
-    def _result(self, r: _Request, index: int, tokens: list[int], logprobs: list[float],
-                reason: FinishReason) -> GenerateResult:
-        sp = r.req.sampling
+    def _result(self, row: _Row, reason: FinishReason) -> GenerateResult:
+        r, sp = row.r, row.r.req.sampling
+        tops: dict[str, np.ndarray] = {}
+        if sp.top_logprobs:
+            shape = (len(row.tokens), min(sp.top_logprobs, self.vocab_size))
+            tops = {"top_token_ids": np.asarray(row.top_ids, dtype=np.int32).reshape(shape),
+                    "top_logprobs": np.asarray(row.top_lps, dtype=np.float32).reshape(shape)}
         return GenerateResult(
-            response_token_ids=np.asarray(tokens, dtype=np.int32),
-            logprobs=np.asarray(logprobs, dtype=np.float32) if sp.logprobs else None,
+            response_token_ids=np.asarray(row.tokens, dtype=np.int32),
+            logprobs=np.asarray(row.logprobs, dtype=np.float32) if sp.logprobs else None,
             prompt_logprobs=r.prompt_lp if sp.prompt_logprobs else None,
-            finish_reason=reason, index=index, key=r.req.key, weight_version=r.version,
-            engine_id=self.engine_id)
+            finish_reason=reason, index=row.index, key=r.req.key, weight_version=r.version,
+            engine_id=self.engine_id, **tops)
 
     async def _loop(self) -> None:
         while True:
@@ -251,12 +263,12 @@ class HfEngine(Engine):
             state = await self._call(self._prefill, rows)
             while state.rows:
                 for row, reason in await self._call(self._advance, state):
-                    row.r.results.put_nowait(self._result(row.r, row.index, row.tokens, row.logprobs, reason))
+                    row.r.results.put_nowait(self._result(row, reason))
                 self._running = state.rows
         except Exception:  # a failed step must not kill the loop: fail this batch, keep serving
             log.exception("engine %s: batch failed", self.engine_id)
             for row in self._running:
-                row.r.results.put_nowait(self._result(row.r, row.index, row.tokens, row.logprobs, "error"))
+                row.r.results.put_nowait(self._result(row, "error"))
         self._running = []  # not reached on cancellation: _close answers those rows
 
     def _generator(self, r: _Request, index: int) -> torch.Generator | None:
@@ -305,10 +317,16 @@ class HfEngine(Engine):
         lp = processed_logprobs(st.logits, st.temperature, st.top_k, st.top_p)
         tokens = sample(lp, st.temperature < GREEDY_EPS, [row.gen for row in st.rows], self._fallback)
         picked = lp.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
+        ks = [row.r.req.sampling.top_logprobs for row in st.rows]
+        if max(ks):  # alternatives from the same processed logprobs the token was drawn from
+            top_lp, top_id = (t.tolist() for t in top_logprobs(lp, max(ks)))
         keep = []
         for b, (row, tok) in enumerate(zip(st.rows, tokens.tolist(), strict=True)):
             row.tokens.append(tok)
             row.logprobs.append(picked[b])
+            if ks[b]:
+                row.top_ids.append(top_id[b][:ks[b]])
+                row.top_lps.append(top_lp[b][:ks[b]])
             if tok in row.r.stops and len(row.tokens) > row.r.req.sampling.min_tokens:
                 done.append((row, "stop"))
             elif len(row.tokens) >= row.r.req.sampling.max_tokens:

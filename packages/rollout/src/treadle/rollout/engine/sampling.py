@@ -8,7 +8,9 @@ that both backends report the same "processed" logprobs:
 3. other rows: ``z = logits / T``; top-k keeps logits ``>=`` the k-th largest (ties kept);
    top-p sorts ascending, ``c_j = sum_{i<=j} softmax(z)_i`` over the sorted order, and drops
    entries with ``c_j <= 1 - p`` (the largest is always kept); ``logprobs = log_softmax(z)``;
-   token ~ ``exp(logprobs)`` with the row's own ``torch.Generator`` when it has one.
+   token ~ ``exp(logprobs)`` with the row's own ``torch.Generator`` when it has one;
+4. a row asking for alternatives gets the top k of those same ``logprobs`` (vLLM's
+   ``gather_logprobs``), ``-inf`` beyond what top-k / top-p kept.
 
 What this module does not do: run the model or decide when a sample stops.
 """
@@ -64,6 +66,12 @@ def processed_logprobs(logits: torch.Tensor, temperature: torch.Tensor, top_k: t
         masked = top_k_top_p(z, top_k, top_p)
         z = torch.where(greedy.unsqueeze(1), z, masked)
     return torch.log_softmax(z, dim=-1)
+
+
+def top_logprobs(logprobs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float32 [B, k'] values, int64 [B, k'] token ids), k' = min(k, V): each row's k largest
+    entries of ``logprobs [B, V]``, largest first (ties in any order)."""
+    return torch.topk(logprobs, min(k, logprobs.shape[-1]), dim=-1, sorted=True)
 
 
 def sample(logprobs: torch.Tensor, greedy: torch.Tensor,

@@ -6,7 +6,8 @@ GPU machine's torch) from the same code: where the two differ the engine looks f
 platform-specific is a field of ``VllmEngineConfig`` or a CPU default chosen in ``engine_args``:
 on CPU, chunked prefill is off and ``max_num_batched_tokens >= max_model_len`` (a per-request
 seed crashes the CPU engine otherwise) and the KV cache has a fixed size. Logprobs are vLLM's
-``processed_logprobs``: those of the distribution actually sampled from. The model's EOS ids are
+``processed_logprobs``: those of the distribution actually sampled from (``top_logprobs = k`` is
+vLLM's ``logprobs=k``, its logprob maps cut back to the top k: ``_alternatives``). The model's EOS ids are
 applied by us as stop tokens (vLLM's generation-config handling is off), as in the HF engine.
 
 Weights: inline updates are staged as one safetensors file (``staging_dir``, /dev/shm by default)
@@ -259,7 +260,7 @@ class VllmEngine(Engine):
         kw = dict(n=sp.n, temperature=sp.temperature, top_p=sp.top_p, top_k=max(sp.top_k, 0),
                   max_tokens=sp.max_tokens, min_tokens=sp.min_tokens, seed=sp.seed,
                   stop_token_ids=sorted(set(sp.stop_token_ids) | set(self._eos)), ignore_eos=True,
-                  logprobs=0 if sp.logprobs else None, prompt_logprobs=0 if sp.prompt_logprobs else None,
+                  logprobs=sp.top_logprobs if sp.logprobs else None, prompt_logprobs=0 if sp.prompt_logprobs else None,
                   detokenize=False, output_kind=RequestOutputKind.DELTA)
         kw.update(over)
         return SamplingParams(**kw)
@@ -508,6 +509,8 @@ class _Samples:
         self.req, self.ids, self.version, self.engine_id = req, ids, version, engine_id
         self.tokens: defaultdict[int, list[int]] = defaultdict(list)
         self.logprobs: defaultdict[int, list[float]] = defaultdict(list)
+        self.top_ids: defaultdict[int, list[list[int]]] = defaultdict(list)
+        self.top_lps: defaultdict[int, list[list[float]]] = defaultdict(list)
         self.prompt_lp: np.ndarray | None = None
 
     def add(self, out: Any) -> list[GenerateResult]:
@@ -519,18 +522,43 @@ class _Samples:
             self.tokens[c.index] += c.token_ids
             if sp.logprobs and c.logprobs:
                 self.logprobs[c.index] += _pick(c.logprobs, c.token_ids).tolist()
+                if sp.top_logprobs:
+                    for pos in range(len(c.token_ids)):
+                        ids, lps = _alternatives(c.logprobs[pos], c.token_ids[pos], sp.top_logprobs)
+                        self.top_ids[c.index].append(ids)
+                        self.top_lps[c.index].append(lps)
             if c.finish_reason is not None:
+                tokens = self.tokens.pop(c.index)
+                tops: dict[str, np.ndarray] = {}
+                if sp.top_logprobs:
+                    ids, lps = self.top_ids.pop(c.index, []), self.top_lps.pop(c.index, [])
+                    shape = (len(tokens), len(ids[0]) if ids else sp.top_logprobs)
+                    tops = {"top_token_ids": np.asarray(ids, dtype=np.int32).reshape(shape),
+                            "top_logprobs": np.asarray(lps, dtype=np.float32).reshape(shape)}
                 done.append(GenerateResult(
-                    response_token_ids=np.asarray(self.tokens.pop(c.index), dtype=np.int32),
+                    response_token_ids=np.asarray(tokens, dtype=np.int32),
                     logprobs=np.asarray(self.logprobs.pop(c.index, []), dtype=np.float32) if sp.logprobs else None,
                     prompt_logprobs=self.prompt_lp, finish_reason=_FINISH.get(str(c.finish_reason), "error"),
-                    index=c.index, key=self.req.key, weight_version=self.version, engine_id=self.engine_id))
+                    index=c.index, key=self.req.key, weight_version=self.version, engine_id=self.engine_id, **tops))
         return done
 
 
 def _pick(logprobs: Any, token_ids: Any) -> np.ndarray:
     """float32 [T]: the logprob of ``token_ids[t]`` from vLLM's per-position logprob maps."""
     return np.asarray([logprobs[t][tok].logprob for t, tok in enumerate(token_ids)], dtype=np.float32)
+
+
+def _alternatives(position: Any, sampled: int, k: int) -> tuple[list[int], list[float]]:
+    """The top ``k`` (token ids, logprobs) of one position's vLLM logprob map, most likely first.
+
+    vLLM fills the map from ``[sampled] + top-k`` ids with ranks ``[rank(sampled), 1..k]``
+    (``append_logprobs_for_next_position``), so the sampled token is in it once: with its top-k
+    rank when it is one of the top k (k entries), else besides them (k + 1 entries: dropped here).
+    """
+    items = [(lp.rank, tok, lp.logprob) for tok, lp in position.items()
+             if len(position) <= k or tok != sampled]
+    items.sort()
+    return [tok for _, tok, _ in items[:k]], [lp for _, _, lp in items[:k]]
 
 
 class _SchedulerCounts:
