@@ -40,6 +40,26 @@ def _check_resources(cpus: float, gpus: int) -> None:
         raise ConfigError(f"--num_gpus must be >= 0, got {gpus}")
 
 
+def label_selector(labels: Sequence[str]) -> dict[str, str]:
+    """``("role=trainer", "zone=!b")`` -> ``{"role": "trainer", "zone": "!b"}``: a Ray label selector
+    (``bundle_label_selector``), matched against the labels nodes got from ``ray start --labels``.
+
+    Values are Ray's selector syntax, passed on as they are: ``v`` (equal), ``!v`` (not equal),
+    ``in(a,b)``, ``!in(a,b)``. ConfigError for an item that is not KEY=VALUE or a key given twice.
+    """
+    out: dict[str, str] = {}
+    for item in labels:
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip() or not value.strip():
+            raise ConfigError(f"--node_labels {item!r}: each label is KEY=VALUE (as `ray start --labels KEY=VALUE`)")
+        if key in out:
+            raise ConfigError(f"--node_labels: label {key!r} given twice")
+        out[key.strip()] = value.strip()
+    return out
+
+
+
+
 @configclass
 class RolloutLaunch:
     """The rollout daemon (``treadle-rollout serve``)."""
@@ -51,8 +71,13 @@ class RolloutLaunch:
     num_cpus: float = 1.0
     """ray: CPUs reserved for it."""
 
+    node_labels: tuple[str, ...] = ()
+    """ray: KEY=VALUE labels a node must have to host it (nodes get them from `ray start --labels`);
+    empty: any node."""
+
     def __post_init__(self) -> None:
         _check_resources(self.num_cpus, self.num_gpus)
+        label_selector(self.node_labels)
 
 
 @configclass
@@ -66,8 +91,13 @@ class RewardsLaunch:
     num_cpus: float = 1.0
     """ray: CPUs reserved for it."""
 
+    node_labels: tuple[str, ...] = ()
+    """ray: KEY=VALUE labels a node must have to host it (nodes get them from `ray start --labels`);
+    empty: any node."""
+
     def __post_init__(self) -> None:
         _check_resources(self.num_cpus, self.num_gpus)
+        label_selector(self.node_labels)
 
 
 @configclass
@@ -79,8 +109,13 @@ class AgentsLaunch:
     num_cpus: float = 1.0
     """ray: CPUs reserved for it."""
 
+    node_labels: tuple[str, ...] = ()
+    """ray: KEY=VALUE labels a node must have to host it (nodes get them from `ray start --labels`);
+    empty: any node."""
+
     def __post_init__(self) -> None:
         _check_resources(self.num_cpus, 0)
+        label_selector(self.node_labels)
 
 
 @configclass
@@ -92,16 +127,24 @@ class TrainerLaunch:
     args: tuple[str, ...] = ()
     """Its flags (the ``-- ppo ...`` section)."""
     ranks: int = 1
-    """Trainer processes (torchrun --nproc_per_node when > 1; one node)."""
+    """Trainer processes per node (torchrun --nproc_per_node when > 1)."""
+    nodes: int = 1
+    """ray: nodes the trainer spans, --ranks on each (torchrun --nnodes, one torchrun per node);
+    with ppo it is --actor.num_nodes."""
     num_gpus_per_rank: int = 0
     """ray: GPUs per rank (0 or 1); 0: CPU ranks."""
     num_cpus_per_rank: float = 1.0
     """ray: CPUs reserved per rank."""
+    node_labels: tuple[str, ...] = ()
+    """ray: KEY=VALUE labels each trainer node must have (`ray start --labels`); empty: any node."""
 
     def __post_init__(self) -> None:
         _check_resources(self.num_cpus_per_rank, self.num_gpus_per_rank)
+        label_selector(self.node_labels)
         if self.ranks < 1:
             raise ConfigError(f"--ranks must be >= 1, got {self.ranks}")
+        if self.nodes < 1:
+            raise ConfigError(f"--nodes must be >= 1, got {self.nodes}")
         if self.num_gpus_per_rank > 1:
             raise ConfigError(f"--num_gpus_per_rank must be 0 or 1 (one GPU per rank), got {self.num_gpus_per_rank}")
 
@@ -160,6 +203,13 @@ class LaunchConfig:
             gpus = {"--rollout.num_gpus": self.rollout.num_gpus, "--rewards.num_gpus": self.rewards.num_gpus,
                     "--trainer.num_gpus_per_rank": self.trainer.num_gpus_per_rank}
             used = [k for k, v in gpus.items() if v]
+            if self.trainer.nodes > 1:
+                raise ConfigError(f"--trainer.nodes {self.trainer.nodes}: the local backend runs on this machine; "
+                                  "use --backend ray for a trainer across nodes")
+            labelled = [f"--{n}.node_labels" for n in ("rollout", "rewards", "agents", "trainer")
+                        if getattr(self, n).node_labels]
+            if labelled:
+                raise ConfigError(f"{', '.join(labelled)} place components on Ray nodes: use --backend ray")
             if used:
                 raise ConfigError(f"{', '.join(used)} reserve Ray GPUs: use --backend ray, or for local processes "
                                   "give the daemons' own --gpu_ids / --rm.device flags and CUDA_VISIBLE_DEVICES")

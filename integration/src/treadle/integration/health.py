@@ -30,10 +30,10 @@ class Probe(Protocol):
 class RolloutProbe:
     """Ready when the rollout daemon answers and all its engines are ready."""
 
-    def __init__(self, endpoint: str) -> None:
+    def __init__(self, endpoint: str, curve: Any = None) -> None:
         from treadle.rollout.client import SyncRolloutClient  # noqa: PLC0415
 
-        self._client = SyncRolloutClient(endpoint)
+        self._client = SyncRolloutClient(endpoint, curve=curve)
 
     def check(self) -> bool:
         from treadle.common.errors import TreadleError  # noqa: PLC0415
@@ -52,10 +52,10 @@ class RolloutProbe:
 class RewardsProbe:
     """Ready when the reward daemon's ZeroMQ endpoint answers ``health``."""
 
-    def __init__(self, endpoint: str) -> None:
+    def __init__(self, endpoint: str, curve: Any = None) -> None:
         from treadle.rewards.client import SyncRewardClient  # noqa: PLC0415
 
-        self._client = SyncRewardClient(endpoint, timeout_s=ATTEMPT_S)
+        self._client = SyncRewardClient(endpoint, curve=curve, timeout_s=ATTEMPT_S)
 
     def check(self) -> bool:
         from treadle.common.errors import TreadleError  # noqa: PLC0415
@@ -89,12 +89,18 @@ class HttpProbe:
         pass
 
 
-def probe_for(name: str, addresses: Addresses) -> Probe:
-    """The readiness probe of daemon ``name`` at its address in ``addresses``."""
+def probe_for(name: str, addresses: Addresses, curve: Any = None) -> Probe:
+    """The readiness probe of daemon ``name`` at its address in ``addresses``; ``curve``: the run's
+    CURVE client keys (``ClientCurve``), used for a ZeroMQ address off loopback."""
+    def keys_for(endpoint: str) -> Any:
+        from treadle.common.rpc.transport import off_loopback  # noqa: PLC0415
+
+        return curve if endpoint.startswith("tcp://") and off_loopback(endpoint) else None
+
     if name == "rollout":
-        return RolloutProbe(addresses.rollout or "")
+        return RolloutProbe(addresses.rollout or "", keys_for(addresses.rollout or ""))
     if name == "rewards":
-        return RewardsProbe(addresses.rewards or "")
+        return RewardsProbe(addresses.rewards or "", keys_for(addresses.rewards or ""))
     if name == "agents":
         return HttpProbe(addresses.agents or "")
     raise ValueError(f"no health probe for {name!r}")

@@ -29,6 +29,7 @@ from treadle.integration.plan import (
     bind,
     merge_addresses,
     trainer_argv,
+    trainer_groups,
 )
 from treadle.integration.procs import Tree, die_with_parent, free_ports, signal_group
 from treadle.integration.supervise import (
@@ -97,16 +98,16 @@ def run_local(plan: Plan, run_dir: Path, stop: threading.Event) -> Outcome:
     cfg = plan.cfg
     record = RunRecord(run_dir, "local")
     sup = Supervisor(record, stop, stop_timeout_s=cfg.stop_timeout_s)
-    trainer = "trainer" if cfg.trainer.command else None
+    trainers = trainer_groups(cfg)  # one: the local backend runs one node
     environ = env.child_env(CHILD_ENV)
     try:
         addresses = start_daemons(plan, sup, run_dir, environ)
         for d in plan.daemons:
             sup.wait_ready(d.name, probe_for(d.name, addresses), cfg.start_timeout_s)
-        if trainer:
-            sup.add(LocalProcess(trainer, trainer_argv(cfg, addresses), run_dir / "trainer.log", environ))
+        if trainers:
+            sup.add(LocalProcess(trainers[0], trainer_argv(cfg, addresses), run_dir / "trainer.log", environ))
         print(ready_banner(plan, addresses, run_dir), flush=True)
-        outcome = sup.watch(trainer)
+        outcome = sup.watch(trainers)
     except ComponentFailed as e:
         outcome = sup.failed(e)
     except Interrupted:
@@ -115,6 +116,6 @@ def run_local(plan: Plan, run_dir: Path, stop: threading.Event) -> Outcome:
         outcome = Outcome(exit_code=EXIT_LAUNCH_ERROR, reason=f"{type(e).__name__}: {e}")
         raise
     finally:
-        sup.teardown(trainer)
+        sup.teardown(trainers)
         sup.finish(outcome)
     return outcome

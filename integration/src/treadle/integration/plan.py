@@ -13,7 +13,15 @@ did not give (a user's flag is never rewritten):
   error.
 
 Addresses are the launcher's to choose (free ports, picked where the daemon runs); ``bind``
-turns a daemon's plan plus its ports into its final flags and addresses.
+turns a daemon's plan plus its host and ports into its final flags and addresses. A daemon bound
+off loopback (on a Ray node's address) is given the run's CURVE keys (``--curve_dir``,
+``--zmq.curve_dir``) and, for HTTP, a bearer-token file (``Keys``); the trainer then gets the
+client side (``--vllm.curve_dir``, ``--reward.curve_dir``) and ``--vllm.sync_host`` (its rank 0's
+node address, where the engines join the weight group). Loopback binds get none of it.
+
+Trainer across nodes (``--trainer.nodes N``, ppo's ``--actor.num_nodes``): one torchrun per node
+(``trainer``, ``trainer.1``, ...; ``trainer_groups``), each ``--nnodes N --node_rank i
+--master_addr <node 0> --master_port <a free port there> --nproc_per_node K``.
 
 Not here: starting processes or actors (``local``, ``ray_backend``), readiness (``health``).
 """
@@ -26,7 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from treadle.common.config import ConfigError, parse
-from treadle.integration.config import LaunchConfig, flag_name
+from treadle.integration.config import LaunchConfig, flag_name, label_selector
 
 MODULES = {"rollout": "treadle.rollout.cli", "rewards": "treadle.rewards.cli", "agents": "treadle.agents.cli",
            "trainer": "treadle.trainer.cli"}
@@ -52,6 +60,30 @@ class Addresses:
     """The reward daemon's HTTP base URL (OpenRLHF's /get_reward lives under it)."""
     agents: str | None = None
     """The agent gateway's base URL (OpenAI-compatible /v1/chat/completions)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Keys:
+    """The security material of a run whose daemons bind off loopback (made by the launcher)."""
+
+    curve_dir: str
+    """A ``treadle-keys generate`` folder: the daemons' server pair and allow-list, the clients' pair."""
+    token_file: str
+    """The bearer token of the HTTP servers off loopback (reward daemon, agent gateway)."""
+
+
+def off_loopback_host(host: str) -> bool:
+    """Whether a bind on ``host`` is reachable from other machines (so it needs keys / a token)."""
+    from treadle.common.rpc.transport import is_loopback  # noqa: PLC0415
+
+    return not is_loopback(host)
+
+
+def _off_loopback(address: str | None) -> bool:
+    """A tcp:// or http:// address whose host is not loopback."""
+    if not address or not address.startswith(("tcp://", "http://")):
+        return False
+    return off_loopback_host(address.split("://", 1)[1].rsplit(":", 1)[0])
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -234,16 +266,27 @@ def _wired(cfg: LaunchConfig) -> dict[str, str]:
     return wired
 
 
-_RANKS_FLAG = "--actor.num_gpus_per_node"
+_PLACEMENT_FLAGS = {"--actor.num_gpus_per_node": ("ranks", "--trainer.ranks"),
+                    "--actor.num_nodes": ("nodes", "--trainer.nodes")}
+"""ppo flag -> (TrainerLaunch field, launcher flag) it must agree with."""
 
 
 def _ranks_flag(cfg: LaunchConfig) -> list[str]:
-    """``-- ppo`` without ``--actor.num_gpus_per_node``: the flag set to ``--trainer.ranks`` (its
-    default, 8, would have the trainer start ranks of its own beside the launcher's)."""
+    """``-- ppo`` without ``--actor.num_gpus_per_node`` / ``--actor.num_nodes``: those set to
+    ``--trainer.ranks`` / ``--trainer.nodes`` (the ranks' default, 8, would have the trainer start
+    ranks of its own beside the launcher's)."""
     t = cfg.trainer
-    if t.command != "ppo" or flag_value(list(t.args), _RANKS_FLAG) is not None:
+    if t.command != "ppo":
         return []
-    return [_RANKS_FLAG, str(t.ranks)]
+    return [tok for flag, (field, _) in _PLACEMENT_FLAGS.items() if flag_value(list(t.args), flag) is None
+            for tok in (flag, str(getattr(t, field)))]
+
+
+def trainer_groups(cfg: LaunchConfig) -> tuple[str, ...]:
+    """Names of the trainer's per-node parts: ``trainer`` (node rank 0: rank 0), ``trainer.1``, ..."""
+    if cfg.trainer.command is None:
+        return ()
+    return ("trainer", *(f"trainer.{i}" for i in range(1, cfg.trainer.nodes)))
 
 
 def trainer_config(cfg: LaunchConfig) -> Any:
@@ -256,10 +299,11 @@ def trainer_config(cfg: LaunchConfig) -> Any:
     from treadle.trainer.config import parse_command  # noqa: PLC0415  (no torch)
 
     args = [*cfg.trainer.args, *_ranks_flag(cfg)]
-    given = flag_value(args, _RANKS_FLAG)
-    if command == "ppo" and given is not None and given != str(cfg.trainer.ranks):
-        raise ConfigError(f"`-- ppo` {_RANKS_FLAG} {given} but --trainer.ranks {cfg.trainer.ranks}: the launcher starts "
-                          f"--trainer.ranks ranks; give the same number to both (or only --trainer.ranks)")
+    for flag, (field, launcher_flag) in _PLACEMENT_FLAGS.items() if command == "ppo" else ():
+        given, mine = flag_value(args, flag), getattr(cfg.trainer, field)
+        if given is not None and given != str(mine):
+            raise ConfigError(f"`-- ppo` {flag} {given} but {launcher_flag} {mine}: the launcher starts "
+                              f"{launcher_flag} x ...; give the same number to both (or only {launcher_flag})")
     for flag, daemon in _wired(cfg).items():
         if flag_value(args, flag) is not None:
             raise ConfigError(f"`-- ppo` {flag}: the launched {daemon} daemon provides it; drop the flag "
@@ -279,6 +323,10 @@ def make_plan(cfg: LaunchConfig) -> Plan:
                 "agents": lambda: agents_plan(cfg, ppo)}
     daemons = tuple(builders[name]() for name in cfg.daemons)
     colocate = bool(ppo is not None and ppo.train.colocate_all)
+    if colocate and cfg.trainer.nodes > 1 and cfg.rollout.args is not None:
+        raise ConfigError(f"--train.colocate_all with --trainer.nodes {cfg.trainer.nodes}: the launched rollout daemon "
+                          "runs on one node, so its engines cannot share the GPUs of every trainer node (a daemon "
+                          "per node is not done yet); drop --train.colocate_all or run the trainer on one node")
     return Plan(cfg=cfg, daemons=daemons, trainer_cfg=tcfg, colocate=colocate)
 
 
@@ -289,18 +337,20 @@ def make_plan(cfg: LaunchConfig) -> Plan:
 def bundles_of(plan: Plan) -> tuple[list[dict[str, float]], dict[str, int], dict[str, dict[str, float]]]:
     """(placement-group bundles, component -> bundle index, component -> its actor's resources).
 
-    Trainer: ranks x (CPUs, GPUs) per rank in one bundle. Each daemon: a bundle of its own, except
-    a colocated rollout daemon, which adds its CPUs to the trainer's bundle and takes no GPU.
+    Trainer: one bundle per node it spans (``trainer_groups``), each ranks x (CPUs, GPUs) per
+    rank: a Ray actor holds one bundle, and the torchrun in it needs its node's ranks beside it.
+    Each daemon: a bundle of its own, except a colocated rollout daemon, which adds its CPUs to
+    the (first) trainer bundle and takes no GPU.
     """
     cfg = plan.cfg
     bundles: list[dict[str, float]] = []
     index: dict[str, int] = {}
     need: dict[str, dict[str, float]] = {}
     t = cfg.trainer
-    if t.command:
-        need["trainer"] = {"CPU": t.ranks * t.num_cpus_per_rank, "GPU": float(t.ranks * t.num_gpus_per_rank)}
-        index["trainer"] = len(bundles)
-        bundles.append(dict(need["trainer"]))
+    for name in trainer_groups(cfg):
+        need[name] = {"CPU": t.ranks * t.num_cpus_per_rank, "GPU": float(t.ranks * t.num_gpus_per_rank)}
+        index[name] = len(bundles)
+        bundles.append(dict(need[name]))
     for d in plan.daemons:
         if d.name == "rollout" and plan.colocate and "trainer" in index:
             trainer_gpus = need["trainer"]["GPU"]
@@ -317,47 +367,119 @@ def bundles_of(plan: Plan) -> tuple[list[dict[str, float]], dict[str, int], dict
     return [{k: v for k, v in b.items() if v} for b in bundles], index, need
 
 
+def selectors_of(plan: Plan) -> list[dict[str, str]]:
+    """The Ray label selector of each bundle of ``bundles_of`` (``--*.node_labels``; {}: any node).
+
+    A colocated rollout daemon shares the trainer's bundle, so it takes the trainer's labels; its
+    own must then be unset or the same.
+    """
+    _, index, _ = bundles_of(plan)
+    out: list[dict[str, str]] = [{} for _ in range(max(index.values(), default=-1) + 1)]
+    for name, i in index.items():
+        section = "trainer" if name.startswith("trainer") else name
+        mine = label_selector(getattr(plan.cfg, section).node_labels)
+        if mine and out[i] and mine != out[i]:
+            raise ConfigError(f"--train.colocate_all: --{section}.node_labels {mine} differ from the trainer's "
+                              f"{out[i]}, whose bundle it shares")
+        out[i] = out[i] or mine
+    return out
+
+
 # ---------------------------------------------------------------------------------------------
 # addresses -> final command lines
 
 
-def bind(daemon: DaemonPlan, host: str, ports: Sequence[int], wired: Addresses) -> tuple[list[str], Addresses]:
+def bind(daemon: DaemonPlan, host: str, ports: Sequence[int], wired: Addresses,
+         keys: Keys | None = None) -> tuple[list[str], Addresses]:
     """(the daemon's final argv for its module's ``main``, its addresses); ``ports`` fill ``port_flags``.
 
-    Daemons bind their default host (loopback); ``host`` is how the others reach them.
+    The daemon binds ``host`` (the address of the node it runs on), which is also how the others
+    reach it. Off loopback it gets ``keys``: CURVE for its ZeroMQ server, the token file for its
+    HTTP server, CURVE client keys for the rollout daemon it calls (the gateway); flags the user
+    gave are kept as they are.
     """
     if len(ports) != daemon.ports_needed:
         raise ValueError(f"{daemon.name}: {daemon.ports_needed} ports needed, got {len(ports)}")
+    off = off_loopback_host(host)
+    if off and keys is None:
+        raise ValueError(f"{daemon.name}: binding {host} (off loopback) needs the run's keys")
     filled = dict(zip(daemon.port_flags, ports, strict=True))
     args = list(daemon.args)
+    given = given_names(args)
+
+    def secure(flag: str, value: str) -> list[str]:
+        return [flag, value] if off and flag not in given else []
+
     if daemon.name == "rollout":
         if "--endpoint" in filled:
             args += ["--endpoint", f"tcp://{host}:{filled['--endpoint']}"]
+            args += secure("--curve_dir", keys.curve_dir if keys else "")
         return args, Addresses(rollout=daemon.given.rollout or f"tcp://{host}:{filled['--endpoint']}")
     if daemon.name == "rewards":
         if "--zmq.endpoint" in filled:
             args += ["--zmq.endpoint", f"tcp://{host}:{filled['--zmq.endpoint']}"]
+            args += secure("--zmq.curve_dir", keys.curve_dir if keys else "")
         if "--http.port" in filled:
             args += ["--http.port", str(filled["--http.port"])]
+            if "--http.host" not in given:
+                args += ["--http.host", host]
+            if "--http.token" not in given:
+                args += secure("--http.token_file", keys.token_file if keys else "")
         zmq = daemon.given.rewards or f"tcp://{host}:{filled['--zmq.endpoint']}"
         http = f"http://{host}:{filled['--http.port']}" if "--http.port" in filled else daemon.given.rewards_http
         return args, Addresses(rewards=zmq, rewards_http=http)
     if wired.rollout is not None:
         args += ["--rollout", wired.rollout]
+        if _off_loopback(wired.rollout) and keys is not None and "--rollout_curve_dir" not in given:
+            args += ["--rollout_curve_dir", keys.curve_dir]
     if "--port" in filled:
         args += ["--port", str(filled["--port"])]
+        if "--host" not in given:
+            args += ["--host", host]
+        if "--token" not in given:
+            args += secure("--token_file", keys.token_file if keys else "")
     return args, Addresses(agents=daemon.given.agents or f"http://{host}:{filled['--port']}")
 
 
-def trainer_argv(cfg: LaunchConfig, addresses: Addresses, python: str = sys.executable) -> list[str]:
-    """The trainer's full command: ``python -m treadle.trainer.cli CMD ...`` (under torchrun for ranks > 1)."""
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Rendezvous:
+    """Where the trainer's nodes meet (torchrun's static rendezvous, hosted by node rank 0)."""
+
+    node_rank: int
+    master_addr: str
+    master_port: int
+
+
+def trainer_argv(cfg: LaunchConfig, addresses: Addresses, python: str = sys.executable, *,
+                 rendezvous: Rendezvous | None = None, keys: Keys | None = None,
+                 sync_host: str | None = None) -> list[str]:
+    """The trainer's full command on one node: ``python -m treadle.trainer.cli CMD ...``, under
+    torchrun for ranks > 1 (``--standalone`` on one node; ``rendezvous`` across ``--trainer.nodes``).
+
+    With daemons off loopback the ppo flags get their client keys (``keys``) and
+    ``--vllm.sync_host`` (``sync_host``: rank 0's node address), unless the user gave them.
+    """
     t = cfg.trainer
     assert t.command is not None
     args = [*t.args, *_ranks_flag(cfg)]
     for flag, daemon in _wired(cfg).items():
         args += [flag, getattr(addresses, daemon)]
+    given = given_names(t.args)
+    if t.command == "ppo":
+        rollout_off = "--vllm.endpoint" in _wired(cfg) and _off_loopback(addresses.rollout)
+        extra = {"--vllm.curve_dir": keys.curve_dir if keys and rollout_off else None,
+                 "--reward.curve_dir": keys.curve_dir if keys and "--reward.remote_url" in _wired(cfg)
+                 and _off_loopback(addresses.rewards) else None,
+                 "--vllm.sync_host": sync_host if rollout_off else None}
+        args += [tok for flag, value in extra.items() if value and flag not in given for tok in (flag, value)]
     head = [python]
-    if t.ranks > 1:
+    if t.nodes > 1:
+        if rendezvous is None:
+            raise ValueError(f"--trainer.nodes {t.nodes}: each node's command needs its rendezvous")
+        head += ["-m", "torch.distributed.run", f"--nnodes={t.nodes}", f"--node_rank={rendezvous.node_rank}",
+                 f"--master_addr={rendezvous.master_addr}", f"--master_port={rendezvous.master_port}",
+                 f"--nproc_per_node={t.ranks}"]
+    elif t.ranks > 1:
         head += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={t.ranks}"]
     return [*head, "-m", MODULES["trainer"], t.command, *args]
 

@@ -1,23 +1,43 @@
-"""The Ray backend: every component a Ray actor in one placement group on the launcher's node.
+"""The Ray backend: every component a Ray actor in one placement group, on whichever nodes fit.
 
 Each daemon is a ``ComponentActor`` whose ``run_main`` calls the daemon's own CLI ``main`` (the
 very code ``treadle-rollout serve`` runs) in the actor's process, on its main thread, so the
 daemon's SIGTERM handling and shutdown work as they do from a shell. The actor first reports its
-node, pid, GPU ids and free ports (``prepare``); the launcher turns those into the daemon's flags
-and addresses. The trainer runs in its actor as a subprocess (``python -m treadle.trainer.cli``,
-or torchrun with ``--nproc_per_node`` = ranks): one actor holds all ranks' resources, which is
-the simplest correct placement for ranks of one node; a trainer spanning nodes is not supported.
+node, its node's address, pid, GPU ids and free ports there (``prepare``); the launcher turns
+those into the daemon's flags and addresses: a daemon binds its node's address, and one off
+loopback gets the run's CURVE keys and HTTP token, made by the launcher in ``<run_dir>/keys``
+(``plan.Keys``); the trainer and the launcher's health probes get the client side.
 
-Placement: one bundle for the trainer (ranks x CPUs/GPUs), one per daemon; with ppo's
-``--train.colocate_all`` the rollout daemon shares the trainer's bundle and gets the trainer's
-GPU ids (``--gpu_ids``) instead of GPUs of its own. Daemons bind loopback (non-loopback binds
-need CURVE keys the trainer's clients cannot use yet), so every bundle is pinned to the
-launcher's node (``ray.io/node-id`` label selector).
+The trainer: one actor per node it spans (``trainer``, ``trainer.1``, ...), each running torchrun
+as a subprocess of the actor for that node's ranks: ``--standalone --nproc_per_node K`` on one
+node, else ``--nnodes N --node_rank i --master_addr <node 0's address> --master_port <a free
+port there> --nproc_per_node K`` (torchrun's static rendezvous, which DeepSpeed's
+``init_distributed`` joins: gloo on CPU, NCCL on GPUs). Why one actor per node and not
+OpenRLHF's one actor per rank: the trainer is a command line (``treadle.trainer.cli``) that
+finds its world from torchrun (``ranks.launcher_world``) and sets up LOCAL_RANK, the per-node
+data cache and a failed rank's stop of its node's other ranks through it, exactly as a user's
+own ``torchrun`` on each host would; actors per rank would need a second rendezvous path in the
+trainer. The cost is the bundle shape: one bundle per node holding K ranks' GPUs (CPUs), since
+an actor holds one bundle, where OpenRLHF has one bundle per GPU; a bundle that does not fit on
+one node is never split.
+
+Placement: the bundles of the trainer's nodes, one per daemon (with ppo's
+``--train.colocate_all`` the rollout daemon shares the first trainer bundle and gets its GPU ids,
+``--gpu_ids``), in one placement group with strategy PACK: a run that fits on one node stays on
+it, a larger one spreads over as few nodes as Ray can. Where things go is the user's to say with
+Ray node labels: ``ray start --labels role=trainer`` on some nodes, ``--trainer.node_labels
+role=trainer`` (``--rollout.node_labels``, ``--rewards.node_labels``, ``--agents.node_labels``)
+to the launcher, which become the bundles' ``bundle_label_selector``. The run directory (logs,
+keys) and the trainer's checkpoint folder must be on a filesystem every node sees.
 
 Logs: each actor points its stdout/stderr (and its children's) at ``<run_dir>/<name>.log``.
 Teardown: SIGTERM to the actor process (the daemon shuts down; the trainer actor forwards it to
-the trainer), then SIGKILL of every process the actor started, ``ray.kill`` and the placement
-group's removal. Not here: the supervision policy (``supervise``).
+torchrun), then SIGKILL of every process the actor started, ``ray.kill`` and the placement
+group's removal. An actor in the launcher's own pid namespace (same machine) is signalled and
+its process tree tracked directly; one on another machine through a task pinned to its node
+(``NodeAffinitySchedulingStrategy``), which signals the actor's process tree as it is then.
+Not here: the supervision policy (``supervise``), recovery from a lost node (a component on a
+node that dies fails the run, as any component's death does).
 """
 
 from __future__ import annotations
@@ -26,6 +46,7 @@ import contextlib
 import importlib
 import math
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -38,7 +59,10 @@ from typing import Any
 import psutil
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from ray.util.scheduling_strategies import (
+    NodeAffinitySchedulingStrategy,
+    PlacementGroupSchedulingStrategy,
+)
 
 from treadle.common import env
 from treadle.common.config import ConfigError
@@ -49,12 +73,17 @@ from treadle.integration.plan import (
     EXIT_INTERRUPTED,
     EXIT_LAUNCH_ERROR,
     Addresses,
+    Keys,
     Plan,
+    Rendezvous,
     bind,
     bundles_of,
     flag_value,
     merge_addresses,
+    off_loopback_host,
+    selectors_of,
     trainer_argv,
+    trainer_groups,
 )
 from treadle.integration.procs import Tree, free_ports
 from treadle.integration.supervise import (
@@ -67,12 +96,40 @@ from treadle.integration.supervise import (
 )
 
 log = get_logger(__name__)
-HOST = "127.0.0.1"
 FORWARDED_ENV = ("TREADLE_", "HF_", "TRANSFORMERS_", "TOKENIZERS_", "VLLM_", "TORCH_", "OMP_", "MKL_", "NCCL_",
                  "GLOO_", "DS_", "PYTHONPATH", "MPLCONFIGDIR")
 """Variables of the launcher's environment the actors get (a Ray worker starts from the raylet's)."""
 LOCAL_OBJECT_STORE_BYTES = 256 << 20
 DIED = -int(signal.SIGKILL)  # exit code recorded for an actor that died without returning
+STRATEGY = "PACK"
+"""Placement-group strategy: as few nodes as fit (Ray's PACK), so a small run stays on one node."""
+KEYS_DIR = "keys"
+"""The run's CURVE keys and HTTP token, in the run directory (made only when a daemon binds off loopback)."""
+
+
+def host_id() -> str:
+    """This process's machine and pid namespace (boot id + pid-namespace inode): two processes
+    with the same one can signal each other by pid."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        return f"{boot}:{os.stat('/proc/self/ns/pid').st_ino}"
+    except OSError:
+        return f"{os.uname().nodename}:?"
+
+
+@ray.remote(num_cpus=0, max_retries=0)
+def _signal_tree(pid: int, sig: int, spare_root: bool) -> int:
+    """On the node of an actor process ``pid``: send ``sig`` to its descendants (and to it unless
+    ``spare_root``); how many were signalled."""
+    try:
+        root = psutil.Process(pid)
+        procs = [*root.children(recursive=True), *([] if spare_root else [root])]
+    except psutil.Error:
+        return 0
+    for p in procs:
+        with contextlib.suppress(psutil.Error):
+            p.send_signal(sig)
+    return len(procs)
 
 
 def _exit_code(e: SystemExit) -> int:
@@ -84,10 +141,12 @@ class ComponentActor:
     """Runs one component in a Ray worker process."""
 
     def prepare(self, ports: int) -> dict[str, Any]:
-        """Where this actor runs: pid, node, GPU ids, and ``ports`` free loopback ports."""
+        """Where this actor runs: pid, node, the node's address, GPU ids, and ``ports`` ports free
+        on that address."""
         ctx = ray.get_runtime_context()
-        return {"pid": os.getpid(), "node_id": ctx.get_node_id(), "node_ip": ray.util.get_node_ip_address(),
-                "gpu_ids": [str(g) for g in ray.get_gpu_ids()], "ports": free_ports(ports) if ports else []}
+        ip = ray.util.get_node_ip_address()
+        return {"pid": os.getpid(), "node_id": ctx.get_node_id(), "node_ip": ip, "host": host_id(),
+                "gpu_ids": [str(g) for g in ray.get_gpu_ids()], "ports": free_ports(ports, ip) if ports else []}
 
     def run_main(self, module: str, argv: list[str], log_path: str) -> int:
         """``module.main(argv)`` here, output to ``log_path``; its exit status."""
@@ -106,6 +165,7 @@ class ComponentActor:
 
     def run_process(self, argv: list[str], environ: dict[str, str], log_path: str) -> int:
         """``python ARGV`` as a child (own session), output to ``log_path``; SIGTERM is passed on to it."""
+        Path(log_path).parent.mkdir(parents=True, exist_ok=True)
         with open(log_path, "wb") as out:
             proc = subprocess.Popen([sys.executable, *argv], stdout=out, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, start_new_session=True,
@@ -127,6 +187,7 @@ def _redirect_output(log_path: str) -> None:
     """Point this process's fds 1 and 2 (inherited by its children) at ``log_path``."""
     sys.stdout.flush()
     sys.stderr.flush()
+    Path(log_path).parent.mkdir(parents=True, exist_ok=True)  # a node that does not share the run dir
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
@@ -134,7 +195,7 @@ def _redirect_output(log_path: str) -> None:
 
 
 class ActorHandle:
-    """A component running in a ``ComponentActor`` on this node (the supervisor's ``Handle``)."""
+    """A component running in a ``ComponentActor`` (the supervisor's ``Handle``)."""
 
     def __init__(self, name: str, actor: Any, where: dict[str, Any], ref: Any, log_path: Path, cmd: list[str]) -> None:
         self.name = name
@@ -144,6 +205,8 @@ class ActorHandle:
         self.log_path = log_path
         self.cmd = cmd
         self.tree = Tree(where["pid"])
+        self.local = where.get("host") == host_id()
+        """In the launcher's pid namespace: signalled and tracked by pid from here."""
         self._code: int | None = None
 
     def poll(self) -> int | None:
@@ -156,13 +219,33 @@ class ActorHandle:
                     self._code = DIED
         return self._code
 
+    def _on_node(self, sig: int, *, spare_root: bool) -> None:
+        """Signal the actor's process tree through a task on its node (another machine)."""
+        strategy = NodeAffinitySchedulingStrategy(self.where["node_id"], soft=False)
+        with contextlib.suppress(Exception):
+            ray.get(_signal_tree.options(scheduling_strategy=strategy).remote(self.where["pid"], int(sig), spare_root),
+                    timeout=30)
+
     def terminate(self) -> None:
+        if not self.local:
+            if self.poll() is None:
+                self._on_node(signal.SIGTERM, spare_root=False)
+            return
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(self.where["pid"], signal.SIGTERM)
 
     def kill(self) -> None:
         """SIGKILL what the actor started, then end the actor through Ray (a SIGKILL only if that fails)."""
         pid = self.where["pid"]
+        if not self.local:
+            self._on_node(signal.SIGKILL, spare_root=True)
+            with contextlib.suppress(Exception):
+                ray.kill(self.actor, no_restart=True)
+            if self._code is None:
+                with contextlib.suppress(Exception):
+                    ray.wait([self.ref], timeout=5)
+                self.poll()
+            return
         self.tree.kill(spare=frozenset({pid}))
         with contextlib.suppress(Exception):
             ray.kill(self.actor, no_restart=True)
@@ -175,7 +258,8 @@ class ActorHandle:
             self.poll()
 
     def track(self) -> None:
-        self.tree.refresh()
+        if self.local:
+            self.tree.refresh()
 
     def info(self) -> dict[str, Any]:
         return {"cmd": self.cmd, "pid": self.where["pid"], "node_ip": self.where["node_ip"],
@@ -214,9 +298,9 @@ def forwarded_env() -> dict[str, str]:
 def place(plan: Plan, stop: threading.Event) -> tuple[Any, dict[str, Any], dict[str, dict[str, Any]]]:
     """(placement group, component -> actor, component -> actor's ``prepare`` answer)."""
     bundles, index, need = bundles_of(plan)
-    node = ray.get_runtime_context().get_node_id()
-    pg = placement_group(bundles, strategy="STRICT_PACK",
-                         bundle_label_selector=[{"ray.io/node-id": node} for _ in bundles])
+    selectors = selectors_of(plan)
+    pg = placement_group(bundles, strategy=STRATEGY,
+                         bundle_label_selector=selectors if any(selectors) else None)
     deadline = time.monotonic() + plan.cfg.ray.placement_timeout_s
     while not ray.wait([pg.ready()], timeout=0.5)[0]:
         if stop.is_set():
@@ -224,9 +308,11 @@ def place(plan: Plan, stop: threading.Event) -> tuple[Any, dict[str, Any], dict[
             raise Interrupted()
         if time.monotonic() > deadline:
             remove_placement_group(pg)
-            raise ConfigError(f"the placement group {bundles} did not fit on this node within "
-                              f"{plan.cfg.ray.placement_timeout_s:g} s (--ray.placement_timeout_s); "
-                              f"cluster resources: {ray.available_resources()}")
+            wanted = ", ".join(f"{b} on {s or 'any node'}" for b, s in zip(bundles, selectors, strict=True))
+            raise ConfigError(f"the placement group [{wanted}] did not fit on the cluster within "
+                              f"{plan.cfg.ray.placement_timeout_s:g} s (--ray.placement_timeout_s); free now: "
+                              f"{ray.available_resources()}; nodes' labels: "
+                              f"{[n.get('Labels', {}) for n in ray.nodes() if n.get('Alive')]}")
     actors, where = {}, {}
     environ = forwarded_env()
     for name, i in index.items():
@@ -234,9 +320,28 @@ def place(plan: Plan, stop: threading.Event) -> tuple[Any, dict[str, Any], dict[
                 "scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i)}
         actors[name] = ComponentActor.options(**opts).remote()
     ports = {d.name: d.ports_needed for d in plan.daemons}
+    if plan.cfg.trainer.nodes > 1:
+        ports["trainer"] = 1  # torchrun's rendezvous, hosted by node rank 0
     answers = ray.get([actors[n].prepare.remote(ports.get(n, 0)) for n in actors])
     where = dict(zip(actors, answers, strict=True))
     return pg, actors, where
+
+
+def make_keys(run_dir: Path) -> Keys:
+    """CURVE keys (``treadle-keys generate``: server pair, one client pair, allow-list) and an HTTP
+    bearer token in ``<run_dir>/keys`` (owner-only)."""
+    from treadle.common.rpc import generate_keys  # noqa: PLC0415
+
+    root = run_dir / KEYS_DIR
+    root.mkdir(mode=0o700, exist_ok=True)
+    root.chmod(0o700)
+    generate_keys(root, clients=("client",))
+    token = root / "http_token"
+    if not token.exists():
+        fd = os.open(token, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_urlsafe(32))
+    return Keys(curve_dir=str(root), token_file=str(token))
 
 
 def rollout_gpu_flags(plan: Plan, where: dict[str, dict[str, Any]]) -> list[str]:
@@ -249,10 +354,11 @@ def rollout_gpu_flags(plan: Plan, where: dict[str, dict[str, Any]]) -> list[str]
 
 
 def start_daemons(plan: Plan, sup: Supervisor, actors: dict[str, Any], where: dict[str, dict[str, Any]],
-                  run_dir: Path) -> Addresses:
+                  run_dir: Path, keys: Keys | None) -> Addresses:
+    """Start every daemon bound to its node's address (rollout first: the gateway is wired to it)."""
     addresses = Addresses()
     for d in plan.daemons:
-        argv, mine = bind(d, HOST, where[d.name]["ports"], addresses)
+        argv, mine = bind(d, where[d.name]["node_ip"], where[d.name]["ports"], addresses, keys)
         if d.name == "rollout":
             argv += rollout_gpu_flags(plan, where)
         addresses = merge_addresses(addresses, mine)
@@ -263,12 +369,19 @@ def start_daemons(plan: Plan, sup: Supervisor, actors: dict[str, Any], where: di
     return addresses
 
 
-def _check_same_node(where: dict[str, dict[str, Any]]) -> None:
-    node = ray.get_runtime_context().get_node_id()
-    away = {n: w["node_ip"] for n, w in where.items() if w["node_id"] != node}
-    if away:
-        raise ConfigError(f"{away} run on another node than the launcher; daemons bind loopback, so every "
-                          "component must run on the launcher's node")
+def start_trainer(plan: Plan, sup: Supervisor, actors: dict[str, Any], where: dict[str, dict[str, Any]],
+                  run_dir: Path, addresses: Addresses, keys: Keys | None) -> None:
+    """One torchrun per trainer node (``trainer`` is node rank 0: it hosts the rendezvous)."""
+    cfg = plan.cfg
+    head = where["trainer"]
+    rdzv = head["ports"][0] if cfg.trainer.nodes > 1 else None
+    for i, name in enumerate(trainer_groups(cfg)):
+        rendezvous = Rendezvous(node_rank=i, master_addr=head["node_ip"], master_port=rdzv) if rdzv else None
+        argv = trainer_argv(cfg, addresses, rendezvous=rendezvous, keys=keys,
+                            sync_host=head["node_ip"])[1:]  # the actor runs its own python
+        log_path = run_dir / f"{name}.log"
+        ref = actors[name].run_process.remote(argv, {}, str(log_path))
+        sup.add(ActorHandle(name, actors[name], where[name], ref, log_path, argv))
 
 
 def run_ray(plan: Plan, run_dir: Path, stop: threading.Event) -> Outcome:
@@ -278,23 +391,29 @@ def run_ray(plan: Plan, run_dir: Path, stop: threading.Event) -> Outcome:
     started = connect(cfg.ray, sum(b.get("CPU", 0) for b in bundles))
     record = RunRecord(run_dir, "ray")
     record.update(ray={"address": ray.get_runtime_context().gcs_address, "started_local_cluster": started,
-                       "bundles": bundles})
+                       "bundles": bundles, "strategy": STRATEGY, "label_selectors": selectors_of(plan)})
     sup = Supervisor(record, stop, stop_timeout_s=cfg.stop_timeout_s)
-    trainer = "trainer" if cfg.trainer.command else None
+    trainers = trainer_groups(cfg)
     pg, actors = None, {}
     try:
         pg, actors, where = place(plan, stop)
-        _check_same_node(where)
-        addresses = start_daemons(plan, sup, actors, where, run_dir)
+        record.update(placement={n: {"node_id": w["node_id"], "node_ip": w["node_ip"]} for n, w in where.items()})
+        keys = None
+        if any(off_loopback_host(where[d.name]["node_ip"]) for d in plan.daemons):
+            keys = make_keys(run_dir)
+            record.update(keys=keys.curve_dir)
+        addresses = start_daemons(plan, sup, actors, where, run_dir, keys)
+        curve = None
+        if keys is not None:
+            from treadle.common.rpc import load_client_keys  # noqa: PLC0415
+
+            curve = load_client_keys(keys.curve_dir)
         for d in plan.daemons:
-            sup.wait_ready(d.name, probe_for(d.name, addresses), cfg.start_timeout_s)
-        if trainer:
-            argv = trainer_argv(cfg, addresses)[1:]  # the actor runs its own python
-            log_path = run_dir / "trainer.log"
-            ref = actors[trainer].run_process.remote(argv, {}, str(log_path))
-            sup.add(ActorHandle(trainer, actors[trainer], where[trainer], ref, log_path, argv))
+            sup.wait_ready(d.name, probe_for(d.name, addresses, curve), cfg.start_timeout_s)
+        if trainers:
+            start_trainer(plan, sup, actors, where, run_dir, addresses, keys)
         print(ready_banner(plan, addresses, run_dir), flush=True)
-        outcome = sup.watch(trainer)
+        outcome = sup.watch(trainers)
     except ComponentFailed as e:
         outcome = sup.failed(e)
     except Interrupted:
@@ -303,7 +422,7 @@ def run_ray(plan: Plan, run_dir: Path, stop: threading.Event) -> Outcome:
         outcome = Outcome(exit_code=EXIT_LAUNCH_ERROR, reason=f"{type(e).__name__}: {e}")
         raise
     finally:
-        sup.teardown(trainer)
+        sup.teardown(trainers)
         release(actors, pg)
         sup.finish(outcome)
     return outcome

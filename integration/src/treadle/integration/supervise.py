@@ -5,10 +5,12 @@ and hands them to a ``Supervisor``, which
 
 - waits for each daemon's health probe, failing fast when the daemon exits, its start timeout
   passes, or a stop is requested (Ctrl-C, SIGTERM);
-- then watches: the run ends when the trainer exits 0 (success), when any component exits
-  otherwise (a daemon exiting at all while the trainer runs is a failure), or on a stop request;
-- tears down: SIGTERM the trainer, wait, SIGTERM the daemons, wait, then SIGKILL whatever of
-  any component's process tree is left;
+- then watches: the run ends when the trainer exits 0 (success; a trainer across nodes is one
+  part per node, ``trainer``, ``trainer.1``, ..., and succeeds when every part has), when any
+  component exits otherwise (a daemon exiting at all while the trainer runs is a failure), or on
+  a stop request;
+- tears down: SIGTERM the trainer's parts, wait, SIGTERM the daemons, wait, then SIGKILL whatever
+  of any component's process tree is left;
 - keeps ``run.json`` in the run directory up to date (components, addresses, pids, exit codes).
 
 Not here: starting anything (``local``, ``ray_backend``).
@@ -20,6 +22,7 @@ import json
 import os
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -146,19 +149,23 @@ class Supervisor:
         log.info("%s ready", name, extra={"fields": {"seconds": round(waited, 1)}})
         return waited
 
-    def watch(self, trainer: str | None) -> Outcome:
-        """Until the trainer exits 0, any component ends otherwise, or a stop is requested."""
+    def watch(self, trainers: Sequence[str]) -> Outcome:
+        """Until every part of the trainer (``trainers``) exits 0, any component ends otherwise,
+        or a stop is requested."""
         try:
             while True:
                 if self.stop.is_set():
                     raise Interrupted()
+                done = 0
                 for name, h in self.handles.items():
                     h.track()
                     code = h.poll()
-                    if code == 0 and name == trainer:
-                        return Outcome(exit_code=0)
-                    if code is not None:
+                    if code == 0 and name in trainers:
+                        done += 1
+                    elif code is not None:
                         raise ComponentFailed(name, describe_signal(code))
+                if trainers and done == len(trainers):
+                    return Outcome(exit_code=0)
                 self.stop.wait(POLL_S)
         except ComponentFailed as e:
             return self.failed(e)
@@ -167,17 +174,17 @@ class Supervisor:
 
     def failed(self, e: ComponentFailed) -> Outcome:
         log.error("%s failed: %s", e.name, e.reason)
-        return Outcome(exit_code=EXIT_CODES.get(e.name, 1), failed=e.name, reason=e.reason)
+        return Outcome(exit_code=EXIT_CODES.get(e.name.split(".")[0], 1), failed=e.name, reason=e.reason)
 
     def finish(self, outcome: Outcome) -> None:
         """Record how the launch ended."""
         self.record.update(ended=time.time(), exit_code=outcome.exit_code, failed=outcome.failed,
                            reason=outcome.reason)
 
-    def teardown(self, trainer: str | None) -> None:
-        """SIGTERM the trainer, then the daemons, each wave given ``stop_timeout_s``; then SIGKILL the rest."""
-        first = [h for n, h in self.handles.items() if n == trainer]
-        rest = [h for n, h in self.handles.items() if n != trainer]
+    def teardown(self, trainers: Sequence[str]) -> None:
+        """SIGTERM the trainer's parts, then the daemons, each wave given ``stop_timeout_s``; then SIGKILL the rest."""
+        first = [h for n, h in self.handles.items() if n in trainers]
+        rest = [h for n, h in self.handles.items() if n not in trainers]
         for wave in (first, rest):
             running = [h for h in wave if h.poll() is None]
             for h in running:

@@ -10,8 +10,9 @@ the job on Ray through the launcher's Ray backend, so it works directly and as a
         --vllm.tensor_parallel_size 2 --train.colocate_all ...
 
 What it starts: a rollout daemon actor with ``--vllm.num_engines`` engines (unless
-``--vllm.endpoint`` names a running one), and a trainer actor running ``actor.num_nodes x
-actor.num_gpus_per_node`` ranks under torchrun. On a cluster with GPUs each rank gets one and the
+``--vllm.endpoint`` names a running one), and one trainer actor per node (``--actor.num_nodes``),
+each running ``--actor.num_gpus_per_node`` ranks under torchrun (one torchrun per node, joined by
+torchrun's rendezvous on the first one's node). On a cluster with GPUs each rank gets one and the
 engines get ``num_engines x tensor_parallel_size`` (the trainer's own with
 ``--train.colocate_all``); on a CPU-only cluster the same numbers are CPU processes. Rewards come
 from the trainer's own flags (``--reward.model_name_or_path`` in the trainer ranks,
@@ -19,8 +20,9 @@ from the trainer's own flags (``--reward.model_name_or_path`` in the trainer ran
 the trainer ranks, so their ``--*.num_nodes`` / ``--*.num_gpus_per_node`` flags are unset or the
 actor's (the config refuses others: they are not separate placements).
 
-Logs and run.json go to ``<TREADLE_RUN_DIR>/launch-<UTC time>`` (printed at start). Exit status
-as ``treadle-launch``'s. Not supported: trainer ranks across nodes (``--actor.num_nodes > 1``).
+Logs and run.json go to ``<TREADLE_RUN_DIR>/launch-<UTC time>`` (printed at start; on a
+filesystem every node sees). Exit status as ``treadle-launch``'s. Placement by node labels
+(``treadle-launch --trainer.node_labels``) is the launcher's; here Ray's PACK places everything.
 """
 
 from __future__ import annotations
@@ -38,15 +40,12 @@ from treadle.integration.config import LaunchConfig, RolloutLaunch, TrainerLaunc
 def launch_config(args: Sequence[str], ppo: Any, *, gpus: bool) -> LaunchConfig:
     """The launch of a PPO run given its parsed flags; ``gpus``: the cluster has GPUs to place on."""
     actor, vllm = ppo.actor, ppo.vllm
-    if actor.num_nodes > 1:
-        raise ConfigError(f"--actor.num_nodes {actor.num_nodes}: trainer ranks across nodes are not supported yet; "
-                          "run on one node (--actor.num_nodes 1)")
     ranks = actor.num_gpus_per_node
     rollout = RolloutLaunch()
     if vllm.endpoint is None:
         rollout = RolloutLaunch(args=(), num_gpus=vllm.num_engines * vllm.tensor_parallel_size if gpus else 0)
     return LaunchConfig(backend="ray", rollout=rollout,
-                        trainer=TrainerLaunch(command="ppo", args=tuple(args), ranks=ranks,
+                        trainer=TrainerLaunch(command="ppo", args=tuple(args), ranks=ranks, nodes=actor.num_nodes,
                                               num_gpus_per_rank=1 if gpus else 0))
 
 
