@@ -144,6 +144,102 @@ def test_completions_text_and_token_prompts_extend_one_session(gateway, chat) ->
     assert "".join(x.text for ch in chunks for x in ch.choices) == chat.decode(streamed)
 
 
+@pytest.fixture(scope="module")
+def reference(model_dir) -> Any:
+    """reference(prompt_ids, ids, T) -> float64 [R, V]: log_softmax(logits / T) of the HF model at
+    each completion token, computed here from the model folder (not through any engine)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+    def at(prompt_ids: list[int], ids: list[int], temperature: float) -> np.ndarray:
+        x = torch.tensor([[*prompt_ids, *ids]])
+        with torch.no_grad():
+            logits = model(x).logits[0, len(prompt_ids) - 1:-1].double()
+        return torch.log_softmax(logits / temperature, -1).numpy()
+
+    return at
+
+
+def _top(row: np.ndarray, k: int) -> list[int]:
+    return np.argsort(-row, kind="stable")[:k].tolist()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_top_logprobs_are_the_models_five_most_likely(gateway, chat, reference, stream) -> None:
+    client = oai(gateway)
+    sid = f"top5-chat-{stream}"
+    kw = {"model": "tiny", "messages": USER, "temperature": 0.8, "seed": 3, "max_tokens": 8, "logprobs": True,
+          "top_logprobs": 5, "extra_body": extra(sid)}
+    if stream:
+        chunks = list(client.chat.completions.create(stream=True, **kw))
+        entries = [e for c in chunks for ch in c.choices if ch.logprobs for e in ch.logprobs.content]
+        ids = [t for c in chunks for ch in c.choices for t in (ch.model_extra.get("token_ids") or [])]
+        prompt_ids = chunks[0].model_extra["prompt_token_ids"]
+    else:
+        r = client.chat.completions.create(**kw)
+        entries, ids = r.choices[0].logprobs.content, r.choices[0].model_extra["token_ids"]
+        prompt_ids = r.model_extra["prompt_token_ids"]
+    want = reference(prompt_ids, ids, 0.8)  # T = 0.8, no top-k / top-p: the sampling distribution
+    assert len(entries) == len(ids) == 8
+    for t, (e, tok) in enumerate(zip(entries, ids, strict=True)):
+        assert e.token == chat.token_text(tok) and e.bytes == list(e.token.encode("utf-8"))
+        assert abs(e.logprob - want[t][tok]) <= 1e-4
+        lps = [a.logprob for a in e.top_logprobs]
+        assert len(lps) == 5 and lps == sorted(lps, reverse=True)
+        np.testing.assert_allclose(lps, want[t][_top(want[t], 5)], atol=1e-4)
+        assert [a.token for a in e.top_logprobs] == [chat.token_text(i) for i in _top(want[t], 5)]
+        assert all(a.bytes == list(a.token.encode("utf-8")) for a in e.top_logprobs)
+        if tok in _top(want[t], 5):  # the sampled token among them: the same logprob as its own entry
+            assert abs(lps[_top(want[t], 5).index(tok)] - e.logprob) <= 1e-6
+    [traj] = SyncGatewayClient(gateway.url).finish(sid, reward=1.0)  # training sees the sampled tokens only
+    assert traj.response_token_ids.tolist() == ids
+    np.testing.assert_allclose(traj.rollout_logprobs, [e.logprob for e in entries], atol=1e-6)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_completions_logprobs_5_give_the_sampled_token_and_the_five_most_likely(gateway, chat, reference,
+                                                                                 stream) -> None:
+    client = oai(gateway)
+    kw = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 6, "temperature": 0, "logprobs": 5,
+          "extra_body": extra(f"top5-cmpl-{stream}")}
+    if stream:
+        chunks = [c for c in client.completions.create(stream=True, **kw) if c.choices and c.choices[0].logprobs]
+        tops = [m for c in chunks for m in c.choices[0].logprobs.top_logprobs]
+        ids = [t for c in chunks for t in c.choices[0].model_extra["token_ids"]]
+        lps = [lp for c in chunks for lp in c.choices[0].logprobs.token_logprobs]
+        prompt_ids = chunks[0].model_extra["prompt_token_ids"]
+    else:
+        r = client.completions.create(**kw)
+        tops, lps = r.choices[0].logprobs.top_logprobs, r.choices[0].logprobs.token_logprobs
+        ids, prompt_ids = r.choices[0].model_extra["token_ids"], r.model_extra["prompt_token_ids"]
+    want = reference(prompt_ids, ids, 1.0)  # greedy: the plain log_softmax
+    assert len(tops) == len(ids) == 6
+    for t, (m, tok) in enumerate(zip(tops, ids, strict=True)):
+        best = _top(want[t], 5)
+        assert best[0] == tok  # greedy: the sampled token is the most likely one, listed once
+        assert m == pytest.approx({chat.token_text(i): want[t][i] for i in best}, abs=1e-4)
+        assert m[chat.token_text(tok)] == pytest.approx(lps[t], abs=1e-6)
+
+
+def test_top_logprobs_of_tokens_cut_away_are_floored_in_strict_json(gateway) -> None:
+    """top_k=2 leaves 3 of the 5 alternatives at -inf: sent as -9999.0 (OpenAI's), never -Infinity."""
+    body = {"messages": USER, "max_tokens": 3, "seed": 1, "logprobs": True, "top_logprobs": 5, "top_k": 2}
+    req = urllib.request.Request(gateway.url + "/v1/chat/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"}, method="POST")
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        raw = resp.read().decode()
+
+    def refuse(name: str) -> float:
+        raise AssertionError(f"not JSON: {name}")
+
+    out = json.loads(raw, parse_constant=refuse)
+    for e in out["choices"][0]["logprobs"]["content"]:
+        lps = [a["logprob"] for a in e["top_logprobs"]]
+        assert len(lps) == 5 and all(lp > -9999.0 for lp in lps[:2]) and lps[2:] == [-9999.0] * 3
+
+
 @pytest.mark.parametrize(("body", "param", "code"), [
     ({"messages": USER, "frequency_penalty": 0.5}, "frequency_penalty", "unsupported_parameter"),
     ({"messages": USER, "logit_bias": {"1": 5}}, "logit_bias", "unsupported_parameter"),
@@ -152,7 +248,8 @@ def test_completions_text_and_token_prompts_extend_one_session(gateway, chat) ->
     ({"messages": USER, "stop": ["a", "b", "c", "d", "e"]}, "stop", "invalid_request_error"),
     ({"messages": USER, "stop": [""]}, "stop", "invalid_request_error"),
     ({"messages": USER, "stop": 3}, "stop", "invalid_request_error"),
-    ({"messages": USER, "logprobs": True, "top_logprobs": 5}, "top_logprobs", "unsupported_parameter"),
+    ({"messages": USER, "logprobs": True, "top_logprobs": 21}, "top_logprobs", "invalid_request_error"),
+    ({"messages": USER, "logprobs": True, "top_logprobs": -1}, "top_logprobs", "invalid_request_error"),
     ({"messages": USER, "top_logprobs": 1}, "top_logprobs", "invalid_request_error"),
     ({"messages": USER, "stream_options": {"include_usage": True}}, "stream_options", "invalid_request_error"),
     ({"messages": USER, "temperature": -1}, "temperature", "invalid_request_error"),
@@ -169,7 +266,7 @@ def test_bad_chat_input_gets_a_400_naming_the_field(gateway, body, param, code) 
 
 @pytest.mark.parametrize(("body", "param"), [
     ({"prompt": ""}, "prompt"), ({"prompt": ["a", "b"]}, "prompt"), ({"prompt": [1, -2]}, "prompt"),
-    ({"prompt": "x", "logprobs": 3}, "logprobs"), ({"prompt": "x", "echo": True}, "echo"),
+    ({"prompt": "x", "logprobs": 21}, "logprobs"), ({"prompt": "x", "echo": True}, "echo"),
     ({"prompt": "x", "suffix": "y"}, "suffix"), ({"prompt": "x", "best_of": 2}, "best_of")])
 def test_bad_completion_input_gets_a_400_naming_the_field(gateway, body, param) -> None:
     with pytest.raises(openai.BadRequestError) as e:
@@ -241,6 +338,18 @@ def test_n_is_refused_in_a_trainer_owned_session(gateway) -> None:
     with pytest.raises(openai.BadRequestError) as e:
         oai(gateway).chat.completions.create(model="tiny", messages=USER, n=2, extra_body={"session_id": "owned-1"})
     assert e.value.param == "n" and "trainer" in e.value.message
+
+
+def test_top_logprobs_in_a_trainer_owned_session(gateway) -> None:
+    """The owner's sampling is kept (its max_tokens caps the reply); the alternatives are the agent's to ask."""
+    async def open_session() -> None:
+        gateway.gateway.open_session("owned-top", SamplingParams(max_tokens=4, seed=2))
+
+    gateway.run(open_session())
+    r = oai(gateway).chat.completions.create(model="tiny", messages=USER, max_tokens=10, logprobs=True, top_logprobs=3,
+                                             extra_body={"session_id": "owned-top"})
+    content = r.choices[0].logprobs.content
+    assert len(content) == 4 and all(len(e.top_logprobs) == 3 for e in content)
 
 
 def test_streamed_tool_call(gateway, warm) -> None:

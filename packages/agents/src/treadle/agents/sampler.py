@@ -17,6 +17,7 @@ injection). Not here: episodes (``executor``).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -40,6 +41,10 @@ class Turn:
     """Weight version of each generate call that contributed (usually one)."""
     finish_reason: str
     """The last call's finish reason: "stop", "length", "abort" (resumes exhausted), "error"."""
+    top_token_ids: np.ndarray | None = None
+    """int32 [A, k]: each token's k most likely alternatives when ``sampling.top_logprobs = k``."""
+    top_logprobs: np.ndarray | None = None
+    """float32 [A, k]: their logprobs, most likely first."""
 
     @property
     def stopped(self) -> bool:
@@ -61,8 +66,13 @@ def turn_of(results: list[GenerateResult]) -> Turn:
     ids = [np.asarray(r.response_token_ids, dtype=np.int32) for r in results]
     lps = [np.zeros(i.shape[0], np.float32) if r.logprobs is None else np.asarray(r.logprobs, np.float32)
            for r, i in zip(results, ids, strict=True)]
+    tops: dict[str, np.ndarray] = {}
+    if all(r.top_token_ids is not None for r in results):
+        tops = {"top_token_ids": np.concatenate([np.asarray(r.top_token_ids, np.int32) for r in results]),
+                "top_logprobs": np.concatenate([np.asarray(r.top_logprobs, np.float32) for r in results])}
     return Turn(token_ids=np.concatenate(ids), logprobs=np.concatenate(lps),
-                versions=tuple(int(r.weight_version) for r in results), finish_reason=results[-1].finish_reason)
+                versions=tuple(int(r.weight_version) for r in results), finish_reason=results[-1].finish_reason,
+                **tops)
 
 
 class RolloutSampler:
@@ -103,5 +113,5 @@ class RolloutSampler:
             prompt = np.concatenate([prompt, np.asarray(res.response_token_ids, np.int32)])
         turn = turn_of(results)
         if turn.finish_reason == "abort" and left <= 0:
-            turn = Turn(token_ids=turn.token_ids, logprobs=turn.logprobs, versions=turn.versions, finish_reason="length")
+            turn = dataclasses.replace(turn, finish_reason="length")
         return turn

@@ -5,7 +5,7 @@ Two request kinds: chat completions (``parse_chat``) and legacy completions (``p
 Chat fields: ``messages`` (roles system / developer / user / assistant / tool; content as text,
 null, or a list of text parts), ``tools``, ``tool_choice`` ("none" turns tool parsing off),
 ``parallel_tool_calls``, ``max_tokens`` / ``max_completion_tokens``, ``temperature``, ``top_p``,
-``seed``, ``logprobs``, ``top_logprobs`` (0 or 1: see below), ``n`` (1..``MAX_N``), ``stream``,
+``seed``, ``logprobs``, ``top_logprobs`` (0..``MAX_TOP_LOGPROBS``), ``n`` (1..``MAX_N``), ``stream``,
 ``stream_options`` (``include_usage``), ``stop`` (a string or up to ``MAX_STOP`` strings),
 ``user``, ``frequency_penalty`` / ``presence_penalty`` (0 only), and the extensions
 ``session_id`` (also the ``X-Session-Id`` header; OpenRLHF's executor passes it in
@@ -13,27 +13,32 @@ null, or a list of text parts), ``tools``, ``tool_choice`` ("none" turns tool pa
 the prompt's and the completion's token ids in the response).
 
 Completions fields: ``prompt`` (a string, a list of token ids, or a one-element list of either),
-and the sampling fields above, with ``logprobs`` an integer (0 or 1) as in OpenAI's legacy API.
+and the sampling fields above, with ``logprobs`` an integer k as in OpenAI's legacy API (0..20 as
+vLLM's server takes; OpenAI's own stops at 5): the sampled token's logprob and the k most likely.
+
+Either way the k alternatives are asked of the rollout pool (``SamplingParams.top_logprobs``): the
+engines return them from the distribution each token was drawn from.
 
 Any other field, or a malformed one, raises ``RequestError`` (HTTP 400, OpenAI's error body with
 ``param`` naming the field): a client that asks for something treadle would silently not do
-gets told so. ``top_logprobs`` above 1 is refused: the rollout pool returns the sampled token's
-logprob only, not the alternatives, so a list of one is all the gateway can give.
+gets told so.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
 from treadle.agents.api import Message
 from treadle.agents.chat import refuse_non_text
-from treadle.common.records import SamplingParams
+from treadle.common.records import MAX_TOP_LOGPROBS, SamplingParams
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_N = 128  # OpenAI's limit
 MAX_STOP = 4  # OpenAI's limit
-MAX_TOP_LOGPROBS = 1  # the pool returns the sampled token's logprob, no alternatives
 SAMPLING_FIELDS = frozenset({
     "model", "max_tokens", "temperature", "top_p", "seed", "n", "stream", "stream_options", "stop", "user",
     "frequency_penalty", "presence_penalty", "session_id", "top_k", "min_tokens", "stop_token_ids",
@@ -61,6 +66,7 @@ class Common:
     """What chat and completions requests share."""
 
     sampling: SamplingParams
+    """The request's sampling; ``top_logprobs`` is the alternatives asked for (0: none)."""
     max_tokens: int | None
     n: int
     stop: tuple[str, ...]
@@ -85,6 +91,8 @@ class ChatRequest:
 class CompletionRequest:
     prompt: str | list[int]
     logprobs: bool
+    top_logprobs: int
+    """The legacy ``logprobs`` integer: alternatives per token besides the sampled one."""
     common: Common
 
 
@@ -190,17 +198,21 @@ def parse_chat(body: Any, header_session: str | None = None) -> ChatRequest:
         raise RequestError("tools must be a list", param="tools")
     common = _common(body, header_session, "max_completion_tokens")
     top = _number(body, "top_logprobs", int, 0)
-    if not 0 <= top <= 20:
-        raise RequestError(f"top_logprobs must be in [0, 20], got {top}", param="top_logprobs")
+    if not 0 <= top <= MAX_TOP_LOGPROBS:
+        raise RequestError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {top}", param="top_logprobs")
     if top and not body.get("logprobs"):
         raise RequestError("top_logprobs needs logprobs=true", param="top_logprobs")
-    if top > MAX_TOP_LOGPROBS:
-        raise RequestError(f"top_logprobs must be <= {MAX_TOP_LOGPROBS}: the rollout pool returns the sampled "
-                           f"token's logprob, not alternatives (got {top})", code="unsupported_parameter",
-                           param="top_logprobs")
     return ChatRequest(messages=[normalize_message(m, i) for i, m in enumerate(msgs)], tools=tools,
                        parse_tools=bool(tools) and body.get("tool_choice") != "none",
-                       logprobs=bool(body.get("logprobs")), top_logprobs=top, common=common)
+                       logprobs=bool(body.get("logprobs")), top_logprobs=top, common=_with_top(common, top))
+
+
+def _with_top(common: Common, top: int) -> Common:
+    """``common`` asking the pool for ``top`` alternatives per token."""
+    if not top:
+        return common
+    sp = msgspec.structs.replace(common.sampling, logprobs=True, top_logprobs=top)
+    return dataclasses.replace(common, sampling=sp)
 
 
 def parse_completion(body: Any, header_session: str | None = None) -> CompletionRequest:
@@ -217,10 +229,7 @@ def parse_completion(body: Any, header_session: str | None = None) -> Completion
         raise RequestError("prompt must be a non-empty string or a non-empty list of token ids (one prompt per "
                            f"request; use n for several samples), got {str(prompt)[:80]!r}", param="prompt")
     lp = body.get("logprobs")
-    if lp is not None and (isinstance(lp, bool) or not isinstance(lp, int) or not 0 <= lp <= 5):
-        raise RequestError(f"logprobs must be an integer in [0, 5], got {lp!r}", param="logprobs")
-    if (lp or 0) > MAX_TOP_LOGPROBS:
-        raise RequestError(f"logprobs must be <= {MAX_TOP_LOGPROBS}: the rollout pool returns the sampled "
-                           f"token's logprob, not alternatives (got {lp})", code="unsupported_parameter",
-                           param="logprobs")
-    return CompletionRequest(prompt=prompt, logprobs=lp is not None, common=_common(body, header_session, None))
+    if lp is not None and (isinstance(lp, bool) or not isinstance(lp, int) or not 0 <= lp <= MAX_TOP_LOGPROBS):
+        raise RequestError(f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {lp!r}", param="logprobs")
+    return CompletionRequest(prompt=prompt, logprobs=lp is not None, top_logprobs=lp or 0,
+                             common=_with_top(_common(body, header_session, None), lp or 0))

@@ -2,7 +2,10 @@
 
 A ``Choice`` is one finished sample as the client sees it: its text (cut before a stop string),
 its token ids (up to and including the token that completed the stop string: what the policy
-sampled and the session records), their logprobs, tool calls, and OpenAI's finish reason.
+sampled and the session records), their logprobs, each token's alternatives when the request
+asked for ``top_logprobs`` (the pool's top k of the distribution the token was drawn from, decoded
+as the sampled tokens are; ``-inf`` sent as -9999.0, as OpenAI and vLLM do: JSON has no
+infinity), tool calls, and OpenAI's finish reason.
 
 Streaming (``chat_chunks``, ``text_chunks``) follows OpenAI's order: per choice, a first chunk
 with the role, then one chunk per sampled token (its text delta and, when asked, its logprob
@@ -31,6 +34,10 @@ from treadle.agents.chat import ChatFormat
 from treadle.agents.sampler import Turn
 from treadle.agents.tools import ToolCall, parse_tool_calls
 
+LOGPROB_FLOOR = -9999.0  # what OpenAI and vLLM send for a logprob of -inf (a token top-k / top-p cut away)
+Alternatives = list[tuple[str, float]]
+"""One token's most likely tokens: (text, logprob) pairs, most likely first."""
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Choice:
@@ -41,6 +48,8 @@ class Choice:
     logprobs: list[float]
     token_texts: list[str]
     """Each token's own text (``ChatFormat.token_text``), for logprob entries."""
+    alternatives: list[Alternatives]
+    """Per token, its ``top_logprobs`` alternatives (``Alternatives``); empty when none were asked for."""
     pieces: list[str]
     """Each token's text delta; ``"".join(pieces) == text`` (``text_pieces``)."""
     calls: list[ToolCall]
@@ -115,23 +124,49 @@ def make_choice(chat: ChatFormat, turn: Turn, stops: Sequence[str], parse_tools:
         k, text = cut
         ids = ids[:k]
         turn = Turn(token_ids=np.asarray(turn.token_ids[:k]), logprobs=np.asarray(turn.logprobs[:k]),
-                    versions=turn.versions, finish_reason="stop_string")
+                    versions=turn.versions, finish_reason="stop_string",
+                    top_token_ids=None if turn.top_token_ids is None else np.asarray(turn.top_token_ids[:k]),
+                    top_logprobs=None if turn.top_logprobs is None else np.asarray(turn.top_logprobs[:k]))
     content, calls = parse_tool_calls(text) if parse_tools else (text, [])
     finish = "tool_calls" if calls else ("length" if turn.finish_reason == "length" else "stop")
+    texts: dict[int, str] = {}  # alternatives recur from token to token: each id decoded once
+
+    def text_of(t: int) -> str:
+        if t not in texts:
+            texts[t] = chat.token_text(t)
+        return texts[t]
+
+    alts: list[Alternatives] = [[] for _ in ids]
+    if turn.top_token_ids is not None and turn.top_logprobs is not None:
+        alts = [[(text_of(t), max(lp, LOGPROB_FLOOR)) for t, lp in zip(row_ids, row_lps, strict=True)]
+                for row_ids, row_lps in zip(turn.top_token_ids.tolist(), turn.top_logprobs.tolist(), strict=True)]
     return Choice(text=content, token_ids=ids, logprobs=turn.logprobs.tolist(),
-                  token_texts=[chat.token_text(t) for t in ids],
+                  token_texts=[text_of(t) for t in ids], alternatives=alts,
                   pieces=text_pieces(chat.decode, ids, content) if pieces else [],
                   calls=calls, finish_reason=finish), turn
 
 
-def logprob_entry(tok: str, lp: float, top: int) -> dict[str, Any]:
-    entry = {"token": tok, "logprob": lp, "bytes": list(tok.encode("utf-8"))}
-    entry["top_logprobs"] = [dict(entry)] if top > 0 else []
-    return entry
+def _entry(tok: str, lp: float) -> dict[str, Any]:
+    return {"token": tok, "logprob": lp, "bytes": list(tok.encode("utf-8"))}
 
 
-def logprob_entries(tokens: list[str], logprobs: list[float], top: int) -> list[dict[str, Any]]:
-    return [logprob_entry(t, lp, top) for t, lp in zip(tokens, logprobs, strict=True)]
+def logprob_entry(tok: str, lp: float, alts: Alternatives, top: int) -> dict[str, Any]:
+    """A chat ``logprobs.content`` entry: the sampled token and its ``top`` most likely alternatives."""
+    return {**_entry(tok, lp), "top_logprobs": [_entry(t, a) for t, a in alts[:top]]}
+
+
+def logprob_entries(c: Choice, top: int) -> list[dict[str, Any]]:
+    return [logprob_entry(t, lp, alts, top) for t, lp, alts in zip(c.token_texts, c.logprobs, c.alternatives,
+                                                                   strict=True)]
+
+
+def top_map(tok: str, lp: float, alts: Alternatives) -> dict[str, float]:
+    """A legacy completions ``top_logprobs`` entry: the sampled token, then its alternatives, by text
+    (vLLM's: up to k + 1 entries; tokens of the same text keep the first, the sampled one's)."""
+    out = {tok: lp}
+    for t, a in alts:
+        out.setdefault(t, a)
+    return out
 
 
 def assistant_message(content: str, calls: list[ToolCall]) -> Message:
@@ -156,7 +191,7 @@ def chat_completion(*, model: str, choices: list[Choice], logprobs: bool, top: i
     """A chat.completion object; ``extra[i]`` is merged into choice i, ``top_extra`` at the top level."""
     out = []
     for i, c in enumerate(choices):
-        lps = {"content": logprob_entries(c.token_texts, c.logprobs, top), "refusal": None} if logprobs else None
+        lps = {"content": logprob_entries(c, top), "refusal": None} if logprobs else None
         ch = {"index": i, "message": assistant_message(c.text, c.calls), "finish_reason": c.finish_reason,
               "logprobs": lps, **extra[i]}
         if token_ids:
@@ -172,7 +207,9 @@ def _text_logprobs(c: Choice, offset: int) -> dict[str, Any]:
         offsets.append(at)
         at += len(p)
     return {"tokens": c.token_texts, "token_logprobs": c.logprobs,
-            "top_logprobs": [{t: lp} for t, lp in zip(c.token_texts, c.logprobs, strict=True)], "text_offset": offsets}
+            "top_logprobs": [top_map(t, lp, alts) for t, lp, alts in zip(c.token_texts, c.logprobs, c.alternatives,
+                                                                          strict=True)],
+            "text_offset": offsets}
 
 
 def text_completion(*, model: str, choices: list[Choice], logprobs: bool, prompt_tokens: int, token_ids: bool,
@@ -208,16 +245,17 @@ def chat_chunks(*, model: str, choices: list[Choice], logprobs: bool, top: int, 
         yield chunk(i, {"role": "assistant", "content": ""})
         if c.calls:
             msg = assistant_message(c.text, c.calls)
-            lp = {"content": logprob_entries(c.token_texts, c.logprobs, top), "refusal": None} if logprobs else None
+            lp = {"content": logprob_entries(c, top), "refusal": None} if logprobs else None
             more = {"token_ids": c.token_ids} if token_ids else {}
             yield chunk(i, {"content": msg["content"], "tool_calls": [{"index": j, **tc} for j, tc
                                                                         in enumerate(msg["tool_calls"])]},
                         logprobs=lp, **more)
         else:
-            for tok, lp, piece, tid in zip(c.token_texts, c.logprobs, c.pieces, c.token_ids, strict=True):
+            for tok, lp, alts, piece, tid in zip(c.token_texts, c.logprobs, c.alternatives, c.pieces, c.token_ids,
+                                                 strict=True):
                 ch = chunk(i, {"content": piece})
                 if logprobs:
-                    ch["choices"][0]["logprobs"] = {"content": [logprob_entry(tok, lp, top)], "refusal": None}
+                    ch["choices"][0]["logprobs"] = {"content": [logprob_entry(tok, lp, alts, top)], "refusal": None}
                 if token_ids:
                     ch["choices"][0]["token_ids"] = [tid]
                 yield ch
@@ -233,9 +271,10 @@ def text_chunks(*, model: str, choices: list[Choice], logprobs: bool, prompt_tok
     head = {"id": new_id("cmpl"), "object": "text_completion", "created": int(time.time()), "model": model}
     for i, c in enumerate(choices):
         at = 0
-        for tok, lp, piece, tid in zip(c.token_texts, c.logprobs, c.pieces, c.token_ids, strict=True):
+        for tok, lp, alts, piece, tid in zip(c.token_texts, c.logprobs, c.alternatives, c.pieces, c.token_ids,
+                                             strict=True):
             ch = {"index": i, "text": piece, "finish_reason": None,
-                  "logprobs": {"tokens": [tok], "token_logprobs": [lp], "top_logprobs": [{tok: lp}],
+                  "logprobs": {"tokens": [tok], "token_logprobs": [lp], "top_logprobs": [top_map(tok, lp, alts)],
                                "text_offset": [at]} if logprobs else None}
             if token_ids:
                 ch["token_ids"] = [tid]

@@ -4,7 +4,7 @@ Routes (aiohttp)::
 
     GET  /health                      {"status": "ok" | "degraded", "rollout": ..., "sessions": N}; no token needed
     GET  /v1/models                   the served model (id, max_model_len)
-    POST /v1/chat/completions         OpenAI chat completions (``openai_api``): logprobs, tool calls
+    POST /v1/chat/completions         OpenAI chat completions (``openai_api``): logprobs and top_logprobs, tool calls
                                       (Hermes <tool_call> blocks parsed into ``tool_calls``), stop strings,
                                       n, stream (server-sent events, ``responses``), plus "session_id",
                                       "weight_version" and, on drift, "drift"
@@ -300,7 +300,10 @@ class Gateway:
         if session.forced is None:
             return common.sampling, min(common.max_tokens or self.cfg.default_max_tokens, room)
         cap = session.forced.max_tokens  # the owner's sampling; its max_tokens caps what the agent asks for
-        return session.forced, min(common.max_tokens or cap, cap, room)
+        forced, top = session.forced, common.sampling.top_logprobs
+        if top:  # alternatives are what the agent is shown, not how it samples: asked for as it asks
+            forced = msgspec.structs.replace(forced, logprobs=True, top_logprobs=top)
+        return forced, min(common.max_tokens or cap, cap, room)
 
     def _choice_ids(self, sid: str, session: Session, n: int) -> list[str]:
         """Session ids the choices are recorded in: the request's for n = 1, ``{sid}-n{i}`` forks for n > 1."""
