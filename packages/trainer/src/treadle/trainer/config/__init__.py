@@ -7,7 +7,8 @@
 YAML file of defaults, or both. Groups live in one module per concern: ``model`` (actor,
 critic, ref, reward), ``optim``, ``deepspeed`` (``ds``), ``data``, ``train``, ``rollout`` (+
 ``vllm``), ``algo`` (advantage / IS correction / KL), ``ckpt``, ``logger``, ``eval``;
-``commands`` composes them (``prm``: the PRM command's config and data; ``kd``: distillation's and its teacher); ``renamed`` lists retired flags.
+``commands`` composes them (``prm``: the PRM command's config and data; ``kd``: distillation's; ``teacher``: the
+teacher of ``kd`` and of PPO's on-policy distillation); ``renamed`` lists retired flags.
 
 ``python -m treadle.trainer.config --dump-flags`` prints every command's flag set (the pinned
 snapshot); ``python -m treadle.trainer.config ppo ARGS...`` prints the resolved config as YAML.

@@ -37,6 +37,7 @@ from treadle.trainer.config.model import (
 )
 from treadle.trainer.config.optim import AdamConfig, OptimizerConfig, check_muon
 from treadle.trainer.config.rollout import VLLM_LORA_RANKS, RolloutConfig, VLLMConfig
+from treadle.trainer.config.teacher import OnPolicyTeacherConfig
 from treadle.trainer.config.train import RLTrainConfig, TrainConfig
 
 
@@ -183,6 +184,8 @@ class PPOConfig:
     """The KL reference."""
     reward: RewardConfig = RewardConfig()
     """Reward source and shaping."""
+    teacher: OnPolicyTeacherConfig = OnPolicyTeacherConfig()
+    """On-policy distillation: a frozen teacher's reverse KL on the sampled tokens in the advantages."""
     data: PromptDataConfig = PromptDataConfig()
     """Prompts."""
     rollout: RolloutConfig = RolloutConfig()
@@ -224,6 +227,11 @@ class PPOConfig:
     def uses_reference(self) -> bool:
         """Whether a reference model is built (KL coefficient > 0)."""
         return self.algo.kl.init_coef > 0
+
+    @property
+    def uses_teacher(self) -> bool:
+        """Whether a teacher is built (on-policy distillation, ``--teacher.model_name_or_path``)."""
+        return self.teacher.model_name_or_path is not None
 
     @property
     def critic_origin(self) -> str | None:
@@ -307,9 +315,11 @@ def _check_reward_source(cfg: PPOConfig) -> None:
         raise ConfigError("--reward.model_name_or_path and --reward.remote_url are both set: rewards come from one of them")
     if agent and (reward.model_name_or_path or reward.remote_url):
         raise ConfigError(f"{flag} computes rewards itself: drop --reward.model_name_or_path/--reward.remote_url")
-    if not (reward.model_name_or_path or reward.remote_url or agent or reward.prm_model_name_or_path):
+    if not (reward.model_name_or_path or reward.remote_url or agent or reward.prm_model_name_or_path
+            or cfg.uses_teacher):
         raise ConfigError("no reward: set --reward.model_name_or_path, --reward.remote_url, --train.agent_func_path, "
-                          "--train.agent_cmd or --reward.prm_model_name_or_path")
+                          "--train.agent_cmd or --reward.prm_model_name_or_path, or distil from "
+                          "--teacher.model_name_or_path")
     est = cfg.algo.advantage.estimator
     if reward.prm_model_name_or_path and est not in PROCESS_REWARD_ESTIMATORS:
         raise ConfigError(f"--reward.prm_model_name_or_path gives per-token rewards, which --algo.advantage.estimator "

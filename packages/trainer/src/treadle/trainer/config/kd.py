@@ -16,17 +16,14 @@ from treadle.trainer.config.eval import EvalConfig
 from treadle.trainer.config.logger import LoggerConfig, WandbConfig
 from treadle.trainer.config.model import ModelConfig
 from treadle.trainer.config.optim import AdamConfig, OptimizerConfig
+from treadle.trainer.config.teacher import TeacherModelConfig
 from treadle.trainer.config.train import TrainConfig
 
 
 @configclass
-class TeacherConfig:
-    """The frozen teacher of ``treadle-train kd``."""
+class TeacherConfig(TeacherModelConfig):
+    """The frozen teacher of ``treadle-train kd`` (required) and the loss mix."""
 
-    model_name_or_path: str | None = None
-    """Teacher weights, HF name or local path (required); its logits must cover the student's vocabulary."""
-    offload: bool = False
-    """Keep the teacher in CPU memory: its ZeRO-3 parameter shards under --ds.zero_stage 3, else the whole replica between uses."""
     kd_coef: float = 0.4
     """c in L = (1 - c) * NLL + c * KD (OpenRLHF's --kd_coef and default); 1: the teacher's distributions alone."""
 

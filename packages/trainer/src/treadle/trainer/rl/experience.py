@@ -3,8 +3,8 @@
 An ``Experience`` is one trajectory seen from the trainer: its full token sequence (prompt +
 response), the positions of its *action* tokens (response tokens the policy sampled,
 ``loss_mask == 1``; environment tokens are context only), and per-action arrays filled in stages:
-the rollout engine's logprobs (from the trajectory), the trainer's old-policy and reference
-logprobs and the critic's values (forward passes), then rewards, advantages and returns (the
+the rollout engine's logprobs (from the trajectory), the trainer's old-policy, reference and
+teacher logprobs and the critic's values (forward passes), then rewards, advantages and returns (the
 pure math of ``rl.advantages``). A trajectory's per-token (process) rewards, when its agent gave
 them, become the action array ``process_rewards`` (``rl.returns`` adds them to the token rewards).
 Action arrays are ``[L]``; batched they are right-padded ``[B, L]`` with a mask, the layout of
@@ -31,8 +31,8 @@ from treadle.common.records import Trajectory
 from treadle.trainer.data.batching import SeqBatch, pack_batch, pad_batch
 from treadle.trainer.data.samples import Sample, TokenSeq
 
-ACTION_FIELDS = ("rollout_logp", "process_rewards", "old_logp", "ref_logp", "values", "advantages", "returns",
-                 "is_weights")
+ACTION_FIELDS = ("rollout_logp", "process_rewards", "old_logp", "ref_logp", "teacher_logp", "values", "advantages",
+                 "returns", "is_weights")
 
 
 @dataclass(slots=True, kw_only=True)

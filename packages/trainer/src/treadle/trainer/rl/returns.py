@@ -12,7 +12,10 @@ same numbers), the steps OpenRLHF's experience maker runs after the forward pass
    The episode reward goes on each row's last action token; an agent's per-token (process)
    rewards, the ``process_rewards`` action arrays, are added where they fall, unshaped and
    unclipped: r_t = p_t - kl_coef kl_t + [t last] R'. Only ``PROCESS_REWARD_ESTIMATORS`` take
-   them; with any other estimator a batch carrying them is refused (``process_rewards``).
+   them; with any other estimator a batch carrying them is refused (``process_rewards``);
+5. on-policy distillation (``teacher_logp`` arrays, ``--teacher.model_name_or_path``): the
+   teacher's per-token reverse-KL advantage is added to the estimator's advantages, unnormalised
+   (``rl.distill``), so every estimator takes it; the returns (the critic's targets) do not.
 
 These per-token scalars are computed in float64 (rewards of 1e4 lose digits in float32 sums and
 whitening) and stored as the float32 action arrays ``advantages``, ``returns`` and
@@ -35,6 +38,7 @@ from treadle.trainer.rl.advantages import (
     token_rewards,
 )
 from treadle.trainer.rl.correction import is_correction, logprob_gap
+from treadle.trainer.rl.distill import distill_advantages, reverse_kl
 from treadle.trainer.rl.experience import Experience, env_gaps, stack, unstack
 from treadle.trainer.rl.kl import KL_ESTIMATORS
 from treadle.trainer.rl.shaping import clip_rewards, overlong_penalty, stop_properly
@@ -69,6 +73,8 @@ class ReturnsConfig:
     """[low, high] band of the gated statistic."""
     discount_env_tokens: bool = False
     """gamma and lambda also apply at environment tokens of multi-turn trajectories (OpenRLHF's layout)."""
+    distill_coef: float = 0.0
+    """beta_T of on-policy distillation (``rl.distill``), used when the experiences carry ``teacher_logp``."""
 
 
 def episode_rewards(exps: Sequence[Experience], cfg: ReturnsConfig) -> torch.Tensor:
@@ -117,8 +123,8 @@ def finalize(exps: Sequence[Experience], cfg: ReturnsConfig) -> dict[str, float]
     if "old_logp" in exps[0].arrays:
         old = stack(exps, "old_logp")[0].double()
         metrics["logprob_gap/mean"], metrics["logprob_gap/max"] = logprob_gap(old, rollout, mask)
-    elif cfg.is_level is not None or (cfg.kl_coef > 0 and cfg.kl_in_reward):
-        raise ValueError("finalize needs old_logp for the IS correction and the KL penalty")
+    elif cfg.is_level is not None or (cfg.kl_coef > 0 and cfg.kl_in_reward) or "teacher_logp" in exps[0].arrays:
+        raise ValueError("finalize needs old_logp for the IS correction, the KL penalty and distillation")
     if cfg.is_level is None:
         weights = mask.double()
     else:
@@ -140,6 +146,10 @@ def finalize(exps: Sequence[Experience], cfg: ReturnsConfig) -> dict[str, float]
     gaps = env_gaps(exps) if cfg.discount_env_tokens else None
     adv, ret = compute_advantages(cfg.estimator, token_rewards=rewards, mask=mask, values=values, gamma=cfg.gamma,
                                   lambd=cfg.lambd, std_norm=cfg.std_norm, gaps=gaps)
+    if "teacher_logp" in exps[0].arrays:
+        teacher = stack(exps, "teacher_logp")[0].double()
+        adv = adv + distill_advantages(old, teacher, mask, cfg.distill_coef)
+        metrics["distill/reverse_kl"] = reverse_kl(old, teacher, mask)
     unstack(exps, "advantages", adv)
     unstack(exps, "returns", ret)
     raw = np.array([e.reward for e in exps], dtype=np.float64)

@@ -97,11 +97,12 @@ def _shift(values: Tensor) -> Tensor:
 
 @torch.no_grad()
 def score(exps: Sequence[Experience], b: Batching, *, actor: Any | None, reference: Any | None, critic: Any | None,
-          temperature: float) -> dict[str, float]:
-    """Fill ``old_logp`` (+ entropy sums), ``ref_logp`` and ``values`` of ``exps`` for the models given
-    (``actor`` None: the old-policy logprobs are not needed, see ``trainers.ppo``)."""
+          temperature: float, teacher: Any | None = None) -> dict[str, float]:
+    """Fill ``old_logp`` (+ entropy sums), ``ref_logp``, ``values`` and ``teacher_logp`` of ``exps`` for
+    the models given (``actor`` None: the old-policy logprobs are not needed, see ``trainers.ppo``);
+    the reference and the teacher score the sampled tokens alike (``models.reference.Reference``)."""
     sums: dict[str, float] = defaultdict(float)
-    if actor is None and reference is None and critic is None:
+    if actor is None and reference is None and critic is None and teacher is None:
         return dict(sums)
     for idx in micro_groups(exps, b):
         group = [exps[i] for i in idx]
@@ -115,6 +116,8 @@ def score(exps: Sequence[Experience], b: Batching, *, actor: Any | None, referen
             _store(group, "ref_logp", ab.actions(reference.logprobs(ab.batch, temperature=temperature, targets_only=True)), ab)
         if critic is not None:
             _store(group, "values", ab.actions(_shift(token_values(critic, ab.batch, b.ring))), ab)
+        if teacher is not None:
+            _store(group, "teacher_logp", ab.actions(teacher.logprobs(ab.batch, temperature=temperature, targets_only=True)), ab)
     return dict(sums)
 
 

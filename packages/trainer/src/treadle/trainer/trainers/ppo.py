@@ -5,7 +5,7 @@ from the generator (synchronously, in rounds of ``--rollout.vllm_generate_batch_
 or from the asynchronous producer's queue), appends each to
 the durable trajectory log before using it, drops failed groups, groups outside DAPO's filter and
 (async) samples staler than ``--train.async_queue_size`` versions, and broadcasts the
-trajectories to every rank. Every rank scores its share (old-policy / reference logprobs,
+trajectories to every rank. Every rank scores its share (old-policy / reference / teacher logprobs,
 values; ``rl.update.score``), the shares are exchanged, and every rank computes the same
 rewards, KL and advantages (``rl.returns``). Then ``--train.max_epochs`` passes over the batch
 in optimizer steps of ``--train.batch_size`` samples (critic, then actor unless frozen), a
@@ -103,7 +103,8 @@ class PPOTrainer:
             overlong_buffer_len=r.overlong_buffer_len, overlong_penalty_factor=r.overlong_penalty_factor,
             stop_properly_coef=r.stop_properly_penalty_coef,
             is_level=adv.is_correction_level if weighted else None, is_mode=adv.is_correction_mode,
-            is_gating=adv.is_correction_gating, is_band=adv.is_band, discount_env_tokens=adv.discount_env_tokens)
+            is_gating=adv.is_correction_gating, is_band=adv.is_band, discount_env_tokens=adv.discount_env_tokens,
+            distill_coef=c.teacher.kl_coef)
 
     @property
     def needs_old_logp(self) -> bool:
@@ -111,14 +112,14 @@ class PPOTrainer:
 
         Not when training is strictly on-policy (one optimizer step per rollout batch: the weights
         that the step's forwards see are those the old-policy pass would see) and nothing else reads
-        the old logprobs before the step (the KL penalty in the reward, the IS correction): the
-        actor step then uses its own detached logprobs, saving a forward over the whole batch, as TRL
-        does. Reference and critic are still scored.
+        the old logprobs before the step (the KL penalty in the reward, the IS correction, the
+        teacher's reverse-KL advantage): the actor step then uses its own detached logprobs, saving a
+        forward over the whole batch, as TRL does. Reference and critic are still scored.
         """
         c = self.cfg
         kl_in_reward = self.p.reference is not None and not c.algo.kl.use_loss
         return (c.train.max_epochs > 1 or self.p.opt_steps_per_rl_step > 1 or kl_in_reward
-                or c.algo.advantage.is_correction_on or self.p.reference is not None)
+                or c.algo.advantage.is_correction_on or self.p.reference is not None or self.p.teacher is not None)
 
     @property
     def total_steps(self) -> int:
@@ -224,9 +225,9 @@ class PPOTrainer:
         mine = [exps[i] for i in share_of(len(exps), dp.world, dp.rank)]
         policy = self.p.actor if self.needs_old_logp else None
         sums = score(mine, self.score_batching, actor=policy, reference=self.p.reference,
-                     critic=self.p.critic, temperature=self.cfg.rollout.temperature)
+                     critic=self.p.critic, temperature=self.cfg.rollout.temperature, teacher=self.p.teacher)
         names = (["old_logp"] if policy is not None else []) + (["ref_logp"] if self.p.reference is not None else []) \
-            + (["values"] if self.p.critic is not None else [])
+            + (["values"] if self.p.critic is not None else []) + (["teacher_logp"] if self.p.teacher is not None else [])
         all_gather_arrays(exps, names, self.dist.device, rank=dp.rank, world=dp.world, group=dp.group)
         if self.p.reward_model is not None:
             self._score_with_reward_model(exps)

@@ -51,6 +51,7 @@ class PPOParts:
     reward_model: Any | None  # frozen RewardModel on the device
     prm: Any | None = None  # frozen ProcessRewardModel (--reward.prm_model_name_or_path), as the reward model
     prm_separator: tuple[int, ...] = ()  # the PRM's step separator in the actor's token ids
+    teacher: Reference | None = None  # frozen teacher of on-policy distillation (--teacher.model_name_or_path)
     checkpointer: Checkpointer
     opt_steps_per_rl_step: int
     ema: Any | None = None  # ActorEMA with --train.enable_ema
@@ -138,6 +139,34 @@ def frozen_models(cfg: PPOConfig, dist: DistInfo, ring: Any) -> tuple[Reference 
         reward_model = RewardModel.from_pretrained(cfg.reward.model_paths[0], cfg.ds).eval().requires_grad_(False)
         reward_model.to("cpu" if cfg.reward.offload else dist.device)  # --reward.offload: visits the device to score
     return reference, reward_model
+
+
+def check_teacher_tokenizer(student: str, teacher: str) -> None:
+    """Refuse a teacher whose token ids do not mean the student's, from the tokenizers and the config
+    (before any weights load). On-policy distillation compares the two models' log-probs of the
+    student's sampled token ids, so the tokenizers must agree id for id and the teacher's logits must
+    cover every id; unlike ``treadle-train kd`` (which compares whole distributions) the embedding
+    sizes may differ (a model family pads its larger models' embeddings beyond the tokenizer)."""
+    from transformers import AutoConfig  # noqa: PLC0415
+
+    vocab = [load_tokenizer(path, use_fast=True).get_vocab() for path in (student, teacher)]
+    if vocab[0] != vocab[1]:
+        other = sorted(set(vocab[0].items()) ^ set(vocab[1].items()), key=lambda kv: kv[1])[:1]
+        raise ConfigError(f"--teacher.model_name_or_path {teacher}: its tokenizer is not the student's ({student}: "
+                          f"{len(vocab[0])} vs {len(vocab[1])} tokens, first difference {other[0] if other else '?'}); "
+                          "on-policy distillation scores the student's token ids with the teacher")
+    rows = AutoConfig.from_pretrained(teacher).get_text_config().vocab_size
+    if rows < max(vocab[0].values()) + 1:
+        raise ConfigError(f"--teacher.model_name_or_path {teacher}: its logits cover {rows} token ids, the tokenizer "
+                          f"has ids up to {max(vocab[0].values())}")
+
+
+def teacher_model(cfg: PPOConfig, dist: DistInfo, ring: Any) -> Reference | None:
+    """The frozen teacher (``--teacher.model_name_or_path``) or None, placed like the reference
+    (``build.reference``: ZeRO-3 shards or a replica, ``--teacher.offload``; collective under ZeRO-3)."""
+    if not cfg.uses_teacher:
+        return None
+    return build.reference(cfg.teacher.model_name_or_path, cfg.ds, dist, offload=cfg.teacher.offload, ring=ring)
 
 
 def sampling_of(cfg: PPOConfig, *, temperature: float) -> SamplingParams:
@@ -381,6 +410,8 @@ def build_parts(cfg: PPOConfig) -> PPOParts:
         raise ConfigError("--ds.enable_sleep moves the optimizer's states off the GPU with ZeRO-3's offload_states, "
                           "which takes DeepSpeed's FusedAdam only; --ds.adam_offload runs DeepSpeed's CPU Adam: "
                           "pick one")
+    if cfg.uses_teacher:
+        check_teacher_tokenizer(cfg.actor.model_name_or_path, cfg.teacher.model_name_or_path)
     dist = build.start(cfg, ring_supported=True, sleep_supported=True)
     check_reward_file(cfg)
     if dist.is_main:
@@ -395,10 +426,14 @@ def build_parts(cfg: PPOConfig) -> PPOParts:
     actor, critic = engines(cfg, dist, dp.world, max(1, rl_steps * per_step * cfg.train.max_epochs))
     reference, reward_model = frozen_models(cfg, dist, ring)
     prm, prm_separator = process_reward_model(cfg, dist, tok)
+    teacher = teacher_model(cfg, dist, ring)
     parts = PPOParts(cfg=cfg, dist=dist, tokenizer=tok, prompts=prompts, eval_prompts=eval_prompts, ring=ring, dp=dp,
                      actor=actor,
                      critic=critic, reference=reference, reward_model=reward_model, prm=prm, prm_separator=prm_separator,
-                     checkpointer=build.checkpointer(cfg, dist), opt_steps_per_rl_step=per_step, closers=[])
+                     teacher=teacher, checkpointer=build.checkpointer(cfg, dist), opt_steps_per_rl_step=per_step,
+                     closers=[])
+    if teacher is not None:
+        parts.closers.append(teacher.close)
     if cfg.train.enable_ema:
         from treadle.trainer.models.ema import ActorEMA  # noqa: PLC0415
 
