@@ -1,0 +1,294 @@
+"""Several Ray nodes: the trainer over two nodes, the daemons on a third, on one machine.
+
+Fast part (no Ray started): the plan of a run across nodes: one torchrun per node with its
+rendezvous, label selectors per bundle, daemons bound off loopback with the run's CURVE keys and
+token, and the trainer given the client side and its weight-group address; refusals.
+
+Slow part: ``ray.cluster_utils.Cluster`` with three nodes (head + 2, each its own raylet; on one
+machine they share one address, which is not loopback here, so every daemon binds with CURVE),
+labelled ``role=trainer`` (two) and ``role=engines``; ``treadle-launch --backend ray`` runs a
+2-step GRPO run with the trainer's two ranks on the two trainer nodes (ZeRO-3 over gloo, one rank
+each, torchrun's rendezvous across them), the rollout daemon (two hf engines) and the reward
+daemon on the third node. Checked from run.json, the trainer's metrics and its log: where each
+part ran, that the daemons bound their node's address with keys, and that every weight sync
+reached both engines. Then the same launch resumed from its checkpoint (each trajectory trained
+once), and (also marked chaos) the engines' node killed mid-run: today the run fails cleanly
+(the daemon's exit status, nothing left running), it does not recover.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from treadle.common.config import ConfigError
+from treadle.integration.config import parse_launch
+from treadle.integration.plan import (
+    Addresses,
+    Keys,
+    Rendezvous,
+    bind,
+    bundles_of,
+    flag_value,
+    make_plan,
+    selectors_of,
+    trainer_argv,
+)
+
+PPO = ["--actor.model_name_or_path", "M", "--data.prompt_dataset", "p.jsonl", "--algo.advantage.estimator",
+       "group_norm", "--rollout.n_samples_per_prompt", "4", "--rollout.batch_size", "2", "--train.batch_size", "8",
+       "--rollout.max_new_tokens", "8", "--data.prompt_max_len", "32", "--vllm.num_engines", "2"]
+KEYS = Keys(curve_dir="/run/keys", token_file="/run/keys/http_token")
+IP = "10.1.2.3"
+
+
+def plan_of(*argv: str):
+    return make_plan(parse_launch(list(argv)))
+
+
+def test_a_trainer_over_two_nodes_is_one_torchrun_per_node_meeting_on_node_zero():
+    plan = plan_of("--backend", "ray", "--trainer.nodes", "2", "--trainer.ranks", "2", "--", "rollout", "--",
+                   "rewards", "--functions", "math", "--", "ppo", *PPO)
+    assert plan.trainer_cfg.actor.num_nodes == 2 and plan.trainer_cfg.actor.num_gpus_per_node == 2
+    addresses = Addresses(rollout=f"tcp://{IP}:7001", rewards=f"tcp://{IP}:7002")
+    argv = trainer_argv(plan.cfg, addresses, python="py", rendezvous=Rendezvous(node_rank=1, master_addr="10.0.0.9",
+                                                                                 master_port=29400),
+                        keys=KEYS, sync_host="10.0.0.9")
+    assert argv[:8] == ["py", "-m", "torch.distributed.run", "--nnodes=2", "--node_rank=1", "--master_addr=10.0.0.9",
+                        "--master_port=29400", "--nproc_per_node=2"]
+    flags = argv[11:]
+    assert flag_value(flags, "--actor.num_nodes") == "2" and flag_value(flags, "--actor.num_gpus_per_node") == "2"
+    assert flag_value(flags, "--vllm.endpoint") == f"tcp://{IP}:7001"
+    assert flag_value(flags, "--vllm.curve_dir") == flag_value(flags, "--reward.curve_dir") == KEYS.curve_dir
+    assert flag_value(flags, "--vllm.sync_host") == "10.0.0.9"  # rank 0's node: where the engines join
+    # loopback daemons: no keys, no sync host (as on one machine before)
+    loop = trainer_argv(plan.cfg, Addresses(rollout="tcp://127.0.0.1:7001", rewards="tcp://127.0.0.1:7002"),
+                        python="py", rendezvous=Rendezvous(node_rank=0, master_addr="127.0.0.1", master_port=1),
+                        keys=KEYS, sync_host="127.0.0.1")
+    assert not {"--vllm.curve_dir", "--reward.curve_dir", "--vllm.sync_host"} & set(loop)
+    with pytest.raises(ValueError, match="rendezvous"):
+        trainer_argv(plan.cfg, addresses, python="py")
+
+
+def test_bundles_are_one_per_trainer_node_with_the_labels_asked_for():
+    plan = plan_of("--backend", "ray", "--trainer.nodes", "2", "--trainer.node_labels", "role=trainer",
+                   "--rollout.node_labels", "role=engines", "zone=!b", "--", "rollout", "--", "rewards", "--functions",
+                   "math", "--", "ppo", *PPO)
+    bundles, index, _ = bundles_of(plan)
+    assert index == {"trainer": 0, "trainer.1": 1, "rollout": 2, "rewards": 3}
+    assert bundles == [{"CPU": 1.0}] * 4
+    assert selectors_of(plan) == [{"role": "trainer"}, {"role": "trainer"}, {"role": "engines", "zone": "!b"}, {}]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--backend", "ray", "--trainer.nodes", "2", "--", "ppo", *PPO, "--reward.remote_url", "math",
+      "--actor.num_nodes", "3"], r"--actor.num_nodes 3 but --trainer.nodes 2"),
+    (["--trainer.nodes", "2", "--", "ppo", *PPO, "--reward.remote_url", "math"], "the local backend runs on this"),
+    (["--trainer.node_labels", "role=x", "--", "ppo", *PPO, "--reward.remote_url", "math"], "use --backend ray"),
+    (["--backend", "ray", "--trainer.node_labels", "role", "--", "ppo", *PPO, "--reward.remote_url", "math"],
+     "each label is KEY=VALUE"),
+    (["--backend", "ray", "--trainer.nodes", "2", "--trainer.ranks", "2", "--", "rollout", "--", "ppo", *PPO,
+      "--reward.remote_url", "math", "--actor.num_gpus_per_node", "2", "--train.colocate_all",
+      "--vllm.num_engines", "4"], "colocate_all with --trainer.nodes 2"),
+])
+def test_what_cannot_be_placed_is_refused_at_parse_time(argv, message):
+    with pytest.raises(ConfigError, match=message):
+        plan_of(*argv)
+
+
+def test_a_daemon_bound_off_loopback_gets_the_runs_keys_and_token():
+    from treadle.agents.gateway.config import GatewayConfig
+    from treadle.common.config import parse
+    from treadle.rewards.config import ServeConfig as RewardsServe
+    from treadle.rollout.config import ServeConfig as RolloutServe
+
+    plan = plan_of("--backend", "ray", "--", "rollout", "--model", "M", "--", "rewards", "--functions", "math", "--",
+                   "agents", "--model", "M")
+    roll, rew, agents = plan.daemons
+    argv, a1 = bind(roll, IP, [7001], Addresses(), KEYS)
+    assert a1.rollout == f"tcp://{IP}:7001" and flag_value(argv[1:], "--curve_dir") == KEYS.curve_dir
+    assert parse(RolloutServe, argv[1:]).curve_dir == KEYS.curve_dir  # the daemon's own config takes it
+    argv, a2 = bind(rew, IP, [7002, 7003], a1, KEYS)
+    served = parse(RewardsServe, argv[1:])
+    assert (served.zmq.endpoint, served.zmq.curve_dir) == (f"tcp://{IP}:7002", KEYS.curve_dir)
+    assert (served.http.host, served.http.token_file) == (IP, KEYS.token_file) and a2.rewards_http == f"http://{IP}:7003"
+    argv, a3 = bind(agents, IP, [7004], a1, KEYS)
+    gateway = parse(GatewayConfig, argv[1:])
+    assert (gateway.host, gateway.token_file, gateway.rollout_curve_dir) == (IP, KEYS.token_file, KEYS.curve_dir)
+    assert a3.agents == f"http://{IP}:7004"
+    with pytest.raises(ValueError, match="needs the run's keys"):
+        bind(roll, IP, [7001], Addresses())
+
+
+# ---------------------------------------------------------------------------------------------
+# three Ray nodes on this machine
+
+
+@contextlib.contextmanager
+def _three_nodes():
+    """A Ray cluster of head + 2 nodes (``ray.cluster_utils.Cluster``): two labelled role=trainer
+    (1 CPU each: one trainer node's bundle fits on each), one role=engines (2 CPUs: both daemons).
+
+    RAY_TMPDIR points at a folder of its own, so the cluster's address file (which `ray.init()`
+    without an address reads) is not the machine's: no other Ray user here finds this cluster.
+    """
+    from ray.cluster_utils import Cluster
+
+    tmp = Path(tempfile.mkdtemp(prefix="trm", dir="/tmp"))  # short: Ray's socket paths must fit 107 bytes
+    (tmp / "ray").mkdir()
+    with pytest.MonkeyPatch.context() as mp:
+        for name, value in (("RAY_TMPDIR", str(tmp)), ("RAY_USAGE_STATS_ENABLED", "0"),
+                            ("RAY_AUTH_MODE", "disabled"), ("OMP_NUM_THREADS", "1")):
+            mp.setenv(name, value)
+        cluster = Cluster(initialize_head=True, head_node_args={
+            "num_cpus": 1, "labels": {"role": "trainer"}, "include_dashboard": False, "temp_dir": str(tmp / "ray")})
+        try:
+            nodes = {"head": cluster.head_node, "trainer": cluster.add_node(num_cpus=1, labels={"role": "trainer"}),
+                     "engines": cluster.add_node(num_cpus=2, labels={"role": "engines"})}
+            yield cluster, {k: n.node_id for k, n in nodes.items()}, tmp
+        finally:
+            with contextlib.suppress(Exception):
+                cluster.shutdown()
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def three_nodes():
+    with _three_nodes() as nodes:
+        yield nodes
+
+
+def _ppo_zero3(helpers, tiny, task, out: Path) -> list[str]:
+    """The small GRPO run of the other launcher tests, as two ranks of ZeRO-3 with two hf engines."""
+    flags = helpers.ppo_flags(tiny, task, out)
+    values = {"--ds.zero_stage": "3", "--train.micro_batch_size": "4", "--rollout.micro_batch_size": "4"}
+    flags = [values.get(flags[i - 1], f) if i else f for i, f in enumerate(flags)]
+    return [*flags, "--vllm.backend", "hf", "--vllm.num_engines", "2"]
+
+
+def _log_records(path: Path, msg: str) -> list[dict]:
+    rows = []
+    for line in path.read_text().splitlines():
+        with contextlib.suppress(ValueError):
+            row = json.loads(line)
+            if isinstance(row, dict) and row.get("msg") == msg:
+                rows.append(row)
+    return rows
+
+
+def _launch_across_nodes(three_nodes, helpers, tiny, task, out: Path, run: Path, *ppo: str) -> str:
+    """treadle-launch on ``cluster``: trainer on the role=trainer nodes, daemons on role=engines;
+    its output (asserting exit 0)."""
+    cluster, _, ray_tmp = three_nodes
+    args = ["--backend", "ray", "--ray.address", cluster.address, "--run_dir", str(run),
+            "--trainer.nodes", "2", "--trainer.node_labels", "role=trainer",
+            "--rollout.node_labels", "role=engines", "--rewards.node_labels", "role=engines",
+            "--", "rollout", "--", "rewards", "--functions", str(task.reward), "--workers.num_workers", "1",
+            "--", "ppo", *_ppo_zero3(helpers, tiny, task, out), *ppo]
+    env = helpers.child_env(TREADLE_LOG_JSON="1", RAY_TMPDIR=str(ray_tmp))
+    proc = helpers.launch(args, env=env)
+    text = helpers.finish(proc, 600)
+    assert proc.returncode == 0, text[-6000:]
+    return text
+
+
+@pytest.mark.slow
+def test_grpo_with_the_trainer_on_two_nodes_and_the_daemons_on_a_third(three_nodes, tiny, task, helpers, tmp_path):
+    node_ids = three_nodes[1]
+    run = tmp_path / "run"
+    _launch_across_nodes(three_nodes, helpers, tiny, task, tmp_path, run)
+
+    record = helpers.run_json(run)
+    comps = record["components"]
+    assert {n: c["exit_code"] for n, c in comps.items()} == {"rollout": 0, "rewards": 0, "trainer": 0, "trainer.1": 0}
+    # where: the two trainer nodes hold one torchrun each, the engines' node both daemons
+    assert {comps["trainer"]["node_id"], comps["trainer.1"]["node_id"]} == {node_ids["head"], node_ids["trainer"]}
+    assert comps["rollout"]["node_id"] == comps["rewards"]["node_id"] == node_ids["engines"]
+    assert record["ray"]["label_selectors"] == [{"role": "trainer"}] * 2 + [{"role": "engines"}] * 2
+    # addresses: the node's (from prepare), not assumed loopback; off loopback, so with the run's keys
+    ip = record["placement"]["rollout"]["node_ip"]
+    assert record["addresses"]["rollout"].startswith(f"tcp://{ip}:")
+    assert record["addresses"]["rewards"].startswith(f"tcp://{record['placement']['rewards']['node_ip']}:")
+    if ip not in ("127.0.0.1", "localhost"):
+        keys = Path(record["keys"])
+        assert (keys / "server.key_secret").is_file() and (keys / "client.key_secret").is_file()
+        assert "--curve_dir" in comps["rollout"]["cmd"] and "--zmq.curve_dir" in comps["rewards"]["cmd"]
+        assert "--vllm.curve_dir" in comps["trainer"]["cmd"] and "--vllm.sync_host" in comps["trainer.1"]["cmd"]
+    rdzv = [a for a in comps["trainer.1"]["cmd"] if a.startswith(("--nnodes", "--node_rank", "--master_addr"))]
+    assert rdzv == ["--nnodes=2", "--node_rank=1", f"--master_addr={record['placement']['trainer']['node_ip']}"]
+
+    # training: 2 steps, both ranks in one world (ZeRO-3 over gloo), each step's weights on both engines
+    rows = [json.loads(line) for line in (tmp_path / "ckpt" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(r["sync/bytes"] > 0 for r in rows)
+    started = _log_records(run / "trainer.log", "weights sent")
+    # a daemon the trainer did not start gets the trainer's weights first, then one sync per step
+    assert [r["version"] for r in started] == list(range(1, len(rows) + 2))
+    engines = {tuple(sorted(r["updated"])) for r in started}
+    assert len(engines) == 1 and len(next(iter(engines))) == 2, engines  # every sync: both engines, none failed
+    assert all(r["failed"] == [] for r in started)
+
+
+@pytest.mark.slow
+def test_a_run_across_nodes_resumes_from_its_checkpoint_training_each_trajectory_once(three_nodes, tiny, task,
+                                                                                      helpers, tmp_path):
+    """Two steps with a checkpoint after each; the same launch again with a second episode and
+    ``--ckpt.load_enable``: the ranks (on two nodes) load step 2's ZeRO-3 shards and train steps
+    3-4 only; the trajectory log has every trajectory trained once."""
+    from treadle.trainer.rl.trajlog import TrajectoryLog
+
+    _launch_across_nodes(three_nodes, helpers, tiny, task, tmp_path, tmp_path / "run1", "--ckpt.save_steps", "1")
+    _launch_across_nodes(three_nodes, helpers, tiny, task, tmp_path, tmp_path / "run2", "--ckpt.save_steps", "1",
+                         "--train.num_episodes", "2", "--ckpt.load_enable")
+    rows = [json.loads(line) for line in (tmp_path / "ckpt" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    resumed = _log_records(tmp_path / "run2" / "trainer.log", "resumed")
+    assert len(resumed) == 1 and resumed[0]["step"] == 2, resumed
+    with TrajectoryLog(tmp_path / "ckpt" / "trajectories") as tl:
+        lineage = tl.lineage(4)
+        pending = tl.recover(4).pending
+    used = [u for step in sorted(lineage) for u in lineage[step]]
+    assert sorted(lineage) == [1, 2, 3, 4] and len(used) == 4 * 8
+    assert len(set(used)) == len(used) and not pending
+
+
+@pytest.mark.slow
+@pytest.mark.chaos
+def test_losing_the_engines_node_mid_run_fails_the_run_and_leaves_nothing_behind(tiny, task, helpers, tmp_path):
+    """Today's behaviour, not recovery: the engines' node's raylet (and every process of it) is
+    killed after step 1 (``Cluster.remove_node``, not graceful); the launcher notices that a
+    daemon died, tears the rest down and exits with that daemon's status."""
+    import time
+
+    import psutil
+
+    with _three_nodes() as (cluster, _, ray_tmp):  # a cluster of its own: this test takes a node away
+        run = tmp_path / "run"
+        args = ["--backend", "ray", "--ray.address", cluster.address, "--run_dir", str(run),
+                "--trainer.nodes", "2", "--trainer.node_labels", "role=trainer",
+                "--rollout.node_labels", "role=engines", "--rewards.node_labels", "role=engines",
+                "--", "rollout", "--", "rewards", "--functions", str(task.reward), "--workers.num_workers", "1",
+                "--", "ppo", *_ppo_zero3(helpers, tiny, task, tmp_path), "--data.max_samples", "32"]
+        proc = helpers.launch(args, env=helpers.child_env(TREADLE_LOG_JSON="1", RAY_TMPDIR=str(ray_tmp)))
+        metrics = tmp_path / "ckpt" / "metrics.jsonl"
+        helpers.wait_for(lambda: metrics.is_file() and metrics.read_text().strip(), 600, proc, "step 1")
+        record = helpers.run_json(run)
+        seen = [p for c in record["components"].values() for p in
+                [psutil.Process(c["pid"]), *helpers.descendants(c["pid"])]]
+        engines = next(n for n in cluster.worker_nodes if n.node_id == record["placement"]["rollout"]["node_id"])
+        killed = time.monotonic()
+        cluster.remove_node(engines, allow_graceful=False)
+        out = helpers.finish(proc, 300)
+        noticed_s = time.monotonic() - killed
+        record = helpers.run_json(run)
+        print(f"engines' node killed: launcher exit {proc.returncode} after {noticed_s:.1f} s; failed "
+              f"{record['failed']} ({record['reason']}); steps done {len(metrics.read_text().splitlines())}")
+        assert proc.returncode in (10, 11, 12), out[-4000:]
+        assert record["failed"] in ("rollout", "rewards", "trainer", "trainer.1")
+        time.sleep(1.0)
+        assert not helpers.survivors(seen)
