@@ -15,6 +15,11 @@ An empty section (``-- rollout``) starts the component with the flags the launch
 In a ``--config`` YAML file the sections are lists: ``rollout: {args: [--backend, hf]}`` and
 ``trainer: {command: ppo, args: [...]}``.
 
+On Ray, a trainer across nodes is ``--trainer.nodes N --trainer.ranks K`` (K per node), and
+``--trainer.node_labels`` / ``--rollout.node_labels`` / ``--rewards.node_labels`` /
+``--agents.node_labels`` (KEY=VALUE, matched against ``ray start --labels``) say which nodes may
+host each component (``label_selector``).
+
 Not here: what the launcher derives from the sections (``plan``) or starting anything.
 """
 
