@@ -1,8 +1,9 @@
 """On-policy distillation in ``treadle-train ppo`` (``--teacher.model_name_or_path``, ``rl.distill``):
 the per-token reverse-KL advantage by hand, its place after the estimator (``rl.returns.finalize``),
 the teacher's log-probs reaching the experiences (``rl.update.score``), the refusals (at parse time,
-and a teacher of another tokenizer before any weights load), and a run on the hf engine with no
-task reward where the student's reverse KL to the teacher falls step by step."""
+and a teacher of another tokenizer before any weights load), a run on the hf engine with no task
+reward where the student's reverse KL to the teacher falls step by step, and the same first-step
+signal from a replicated, a ZeRO-3 sharded (and offloaded) and a ring-attention teacher."""
 
 from __future__ import annotations
 
@@ -236,28 +237,48 @@ def exact_reverse_kl(student, teacher, prompts, tokenizer) -> float:
     return total / count
 
 
-@pytest.mark.slow
-def test_distillation_alone_lowers_the_students_reverse_kl_to_the_teacher(tiny, tokenizer, helpers, tmp_path):
-    # the student is the tiny model sharpened (logits x 6), the teacher the same model at logits x 2: a
-    # teacher the student can match exactly (its final-norm gain at 2), and far from it at the start
-    student = sharpened(tiny, tmp_path / "student", 6.0)
-    teacher = sharpened(tiny, tmp_path / "teacher", 2.0)
+@pytest.fixture(scope="module")
+def distill_task(tiny, tmp_path_factory):
+    """The student (the tiny model's logits x 6), the teacher (the same model at x 2: a teacher the
+    student can match exactly, its final-norm gain at 2, and far from it at the start), prompts."""
+    root = tmp_path_factory.mktemp("distill")
     prompts = [f"say {WORDS[i % 8]} {WORDS[(i * 3) % 8]}:" for i in range(32)]
-    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
-    args = ["ppo", "--actor.model_name_or_path", str(student), "--teacher.model_name_or_path", str(teacher),
-            "--data.prompt_dataset", str(tmp_path / "prompts.jsonl"), "--data.input_key", "prompt",
+    (root / "prompts.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    return {"student": sharpened(tiny, root / "student", 6.0), "teacher": sharpened(tiny, root / "teacher", 2.0),
+            "data": root / "prompts.jsonl", "prompts": prompts}
+
+
+@pytest.fixture(scope="module")
+def engine(tiny, helpers):
+    with hf_daemon(tiny, helpers) as endpoint:  # each run's first sync brings it to the student's weights
+        yield endpoint
+
+
+def distill_run(task, endpoint, out, helpers, *extra, nproc=1):
+    args = ["ppo", "--actor.model_name_or_path", str(task["student"]), "--teacher.model_name_or_path",
+            str(task["teacher"]), "--data.prompt_dataset", str(task["data"]), "--data.input_key", "prompt",
             "--algo.advantage.estimator", "group_norm", "--algo.kl.init_coef", "0",
             "--rollout.n_samples_per_prompt", "4", "--rollout.batch_size", "4", "--train.batch_size", "16",
             "--train.micro_batch_size", "16", "--rollout.micro_batch_size", "16", "--rollout.max_new_tokens", "16",
-            "--data.prompt_max_len", "16", "--actor.num_gpus_per_node", "1", "--ds.param_dtype", "fp32",
+            "--data.prompt_max_len", "16", "--actor.num_gpus_per_node", str(nproc), "--ds.param_dtype", "fp32",
             "--ds.zero_stage", "0", "--actor.adam.lr", "2e-3", "--train.num_episodes", "1",
-            "--ckpt.path", str(tmp_path / "ckpt"), "--ckpt.output_dir", str(tmp_path / "model")]
-    with hf_daemon(tiny, helpers) as endpoint:  # the run's first sync brings the engine to the student's weights
-        proc = subprocess.run([sys.executable, "-m", "treadle.trainer.cli", *args, "--vllm.endpoint", endpoint],
-                              env=helpers.child_env(), capture_output=True, text=True, timeout=600, cwd=helpers.root)
-    assert proc.returncode == 0, proc.stderr[-6000:]
-    rows = [json.loads(line) for line in (tmp_path / "ckpt" / "metrics.jsonl").read_text().splitlines()]
+            "--ckpt.path", str(out / "ckpt"), "--ckpt.output_dir", str(out / "model"), "--vllm.endpoint", endpoint,
+            *extra]
+    if nproc > 1:
+        helpers.torchrun(["-m", "treadle.trainer.cli", *args], nproc=nproc)
+    else:
+        proc = subprocess.run([sys.executable, "-m", "treadle.trainer.cli", *args], env=helpers.child_env(),
+                              capture_output=True, text=True, timeout=600, cwd=helpers.root)
+        assert proc.returncode == 0, proc.stderr[-6000:]
+    return [json.loads(line) for line in (out / "ckpt" / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_distillation_alone_lowers_the_students_reverse_kl_to_the_teacher(distill_task, engine, tokenizer, helpers,
+                                                                          tmp_path):
+    rows = distill_run(distill_task, engine, tmp_path, helpers)
     kl = [r["distill/reverse_kl"] for r in rows]
+    student, teacher, prompts = distill_task["student"], distill_task["teacher"], distill_task["prompts"]
     before, after = exact_reverse_kl(student, teacher, prompts, tokenizer), \
         exact_reverse_kl(tmp_path / "model", teacher, prompts, tokenizer)
     print("distill/reverse_kl per step:", [round(k, 4) for k in kl], f"exact on the prompts: {before:.4f} -> {after:.4f}")
@@ -265,3 +286,21 @@ def test_distillation_alone_lowers_the_students_reverse_kl_to_the_teacher(tiny, 
     assert all(r["reward/mean"] == 0.0 for r in rows)  # no task reward: the teacher is the only signal
     assert kl[0] > 0.5 and max(kl[-2:]) < 0.5 * kl[0], kl  # on the student's own samples, as logged
     assert after < 0.5 * before, (before, after)  # and exactly, on the exported model
+
+
+@pytest.mark.slow
+def test_a_sharded_or_ringed_teacher_gives_the_replicas_signal(distill_task, engine, helpers, tmp_path):
+    """The first step (before any update: the same seeded samples) on one rank with a replica, on two
+    ZeRO-3 ranks with the teacher sharded and offloaded, and on a ring of two: the same reverse KL."""
+    short = ["--data.max_samples", "4"]  # one step
+    runs = {"replica": distill_run(distill_task, engine, tmp_path / "replica", helpers, *short),
+            "zero3": distill_run(distill_task, engine, tmp_path / "zero3", helpers, *short, "--ds.zero_stage", "3",
+                                 "--teacher.offload", "--train.micro_batch_size", "8", "--rollout.micro_batch_size",
+                                 "8", nproc=2),
+            "ring": distill_run(distill_task, engine, tmp_path / "ring", helpers, *short, "--ds.zero_stage", "3",
+                                "--ds.packing_samples", "--ds.ring_attn_size", "2", nproc=2)}
+    first = {name: rows[0]["distill/reverse_kl"] for name, rows in runs.items()}
+    print(first)
+    assert first["replica"] > 0.5
+    for name in ("zero3", "ring"):
+        assert first[name] == pytest.approx(first["replica"], rel=1e-4, abs=1e-5), first
