@@ -1,7 +1,8 @@
 """Helpers the test suites share (packages/*/tests, integration/tests, tools/tests).
 
 On pytest's ``pythonpath`` (tools/testing, set in the root pyproject.toml), so any test or
-conftest imports it: ``from treadle_testing import Loop, free_port, load_by_path, load_tool``.
+conftest imports it: ``from treadle_testing import Loop, free_port, load_by_path, load_tool,
+rollout_daemon``.
 With ``--import-mode=importlib`` a test cannot import its conftest, and tools/ is not a
 package: before this module each suite carried its own copy of these.
 """
@@ -9,9 +10,14 @@ package: before this module each suite carried its own copy of these.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.util
+import os
+import signal
 import socket
+import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -46,6 +52,29 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def rollout_daemon(model: Path, env: dict[str, str], *flags: str) -> Iterator[str]:
+    """A one-engine ``treadle-rollout serve`` of ``model`` with ``flags`` (``--backend hf``, ...)
+    in its own session, ready; its endpoint. SIGTERM on exit, SIGKILL of its group after 30 s."""
+    from treadle.rollout.client import SyncRolloutClient
+
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    proc = subprocess.Popen([sys.executable, "-m", "treadle.rollout", "serve", "--model", str(model), "--engines", "1",
+                             "--endpoint", endpoint, "--no_cpu_bind", *flags],
+                            env=env, start_new_session=True, stdin=subprocess.DEVNULL)
+    try:
+        with SyncRolloutClient(endpoint) as rc:
+            rc.wait_ready(timeout=300)
+        yield endpoint
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
 
 class Loop:

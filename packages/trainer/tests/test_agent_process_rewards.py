@@ -7,18 +7,13 @@ and ``finalize`` turns them into the returns and advantages the formula gives
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
-import os
-import signal
-import subprocess
-import sys
 
 import msgspec
 import numpy as np
 import pytest
-from treadle_testing import free_port
+from treadle_testing import rollout_daemon
 
 AGENT = '''
 import torch
@@ -47,25 +42,8 @@ class AgentExecutor(MultiTurnAgentExecutor):
 '''
 
 
-@contextlib.contextmanager
 def hf_daemon(model, helpers):
-    endpoint = f"tcp://127.0.0.1:{free_port()}"
-    proc = subprocess.Popen([sys.executable, "-m", "treadle.rollout", "serve", "--model", str(model), "--engines", "1",
-                             "--endpoint", endpoint, "--backend", "hf", "--no_cpu_bind"],
-                            env=helpers.child_env(), start_new_session=True, stdin=subprocess.DEVNULL)
-    from treadle.rollout.client import SyncRolloutClient
-
-    try:
-        with SyncRolloutClient(endpoint) as rc:
-            rc.wait_ready(timeout=300)
-        yield endpoint
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    return rollout_daemon(model, helpers.child_env(), "--backend", "hf")
 
 
 def generate(cfg, endpoint, tokenizer):

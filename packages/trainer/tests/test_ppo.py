@@ -13,9 +13,7 @@ the response, which a randomly initialised model already hits now and then, so G
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -23,7 +21,7 @@ import time
 from pathlib import Path
 
 import pytest
-from treadle_testing import free_port
+from treadle_testing import rollout_daemon
 
 REWARD = '''
 import torch
@@ -55,27 +53,10 @@ def daemon(tiny, helpers):
         yield endpoint
 
 
-@contextlib.contextmanager
 def serving(tiny: Path, helpers, *flags: str):
     """A one-engine ``treadle-rollout serve`` of the tiny model (fp32) with ``flags``, ready; its endpoint."""
-    endpoint = f"tcp://127.0.0.1:{free_port()}"
-    proc = subprocess.Popen([sys.executable, "-m", "treadle.rollout", "serve", "--model", str(tiny), "--engines", "1",
-                             "--endpoint", endpoint, "--engine.dtype", "float32", "--engine.max_model_len", "256",
-                             "--no_cpu_bind", *flags],
-                            env=helpers.child_env(), start_new_session=True, stdin=subprocess.DEVNULL)
-    from treadle.rollout.client import SyncRolloutClient
-
-    try:
-        with SyncRolloutClient(endpoint) as rc:
-            rc.wait_ready(timeout=300)
-        yield endpoint
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    return rollout_daemon(tiny, helpers.child_env(), "--engine.dtype", "float32", "--engine.max_model_len", "256",
+                          *flags)
 
 
 def ppo_args(tiny: Path, task: dict[str, Path], ckpt: Path, endpoint: str, *extra: str) -> list[str]:

@@ -7,20 +7,17 @@ scores exactly the separators its policy sampled)."""
 from __future__ import annotations
 
 import collections
-import contextlib
 import json
 import math
-import os
 import random
 import shutil
-import signal
 import subprocess
 import sys
 
 import numpy as np
 import pytest
 import torch
-from treadle_testing import free_port
+from treadle_testing import rollout_daemon
 
 from treadle.common.config import ConfigError
 from treadle.common.records import Trajectory
@@ -258,25 +255,8 @@ def reward_func(queries, prompts, labels):
 '''
 
 
-@contextlib.contextmanager
 def hf_daemon(model, helpers):
-    endpoint = f"tcp://127.0.0.1:{free_port()}"
-    proc = subprocess.Popen([sys.executable, "-m", "treadle.rollout", "serve", "--model", str(model), "--engines", "1",
-                             "--endpoint", endpoint, "--backend", "hf", "--no_cpu_bind"],
-                            env=helpers.child_env(), start_new_session=True, stdin=subprocess.DEVNULL)
-    from treadle.rollout.client import SyncRolloutClient
-
-    try:
-        with SyncRolloutClient(endpoint) as rc:
-            rc.wait_ready(timeout=300)
-        yield endpoint
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    return rollout_daemon(model, helpers.child_env(), "--backend", "hf")
 
 
 def _ppo(tiny, tmp_path, endpoint, prm, name, helpers):
