@@ -258,6 +258,60 @@ def test_a_run_across_nodes_resumes_from_its_checkpoint_training_each_trajectory
 
 
 @pytest.mark.slow
+def test_an_actor_on_another_machine_is_stopped_through_a_task_on_its_node(three_nodes, tmp_path):
+    """What the launcher does for an actor outside its pid namespace (another host), here made to
+    look so: SIGTERM reaches the actor through a task pinned to its node (the actor passes it on
+    to its child, which exits 7), and kill() SIGKILLs what is under the actor the same way."""
+    import psutil
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from treadle.integration.ray_backend import ActorHandle, ComponentActor
+
+    cluster, node_ids, _ = three_nodes
+    waits = "import signal, sys, time; signal.signal(signal.SIGTERM, lambda *a: sys.exit(7)); time.sleep(600)"
+    deaf = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"
+    ray.init(address=cluster.address, log_to_driver=False)
+    try:
+        handles, children = [], []
+        for name, code in (("waits", waits), ("deaf", deaf)):
+            actor = ComponentActor.options(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(
+                node_ids["engines"], soft=False)).remote()
+            where = {**ray.get(actor.prepare.remote(0)), "host": "another machine"}
+            ref = actor.run_process.remote(["-c", code], {}, str(tmp_path / f"{name}.log"))
+            handles.append(handle := ActorHandle(name, actor, where, ref, tmp_path / f"{name}.log", []))
+            assert not handle.local and where["node_id"] == node_ids["engines"]
+            children.append(_wait_child(where["pid"]))
+        waiting, deaf_one = handles
+        waiting.terminate()
+        assert ray.get(waiting.ref, timeout=60) == 7
+        deaf_one.terminate()  # ignored by the child; the actor passes it on and keeps waiting
+        assert deaf_one.poll() is None
+        deaf_one.kill()
+        assert deaf_one.poll() == -9  # the SIGKILLed child's status, or the actor's end (ray.kill) if Ray saw that first
+        _, alive = psutil.wait_procs([children[1]], timeout=30)
+        assert not alive
+        waiting.kill()
+    finally:
+        ray.shutdown()
+
+
+def _wait_child(pid: int):
+    import time
+
+    import psutil
+
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        kids = psutil.Process(pid).children()
+        if kids:
+            time.sleep(1.0)  # let it install its signal handler
+            return kids[0]
+        time.sleep(0.1)
+    raise AssertionError(f"actor {pid} started no child")
+
+
+@pytest.mark.slow
 @pytest.mark.chaos
 def test_losing_the_engines_node_mid_run_fails_the_run_and_leaves_nothing_behind(tiny, task, helpers, tmp_path):
     """Today's behaviour, not recovery: the engines' node's raylet (and every process of it) is

@@ -101,6 +101,8 @@ FORWARDED_ENV = ("TREADLE_", "HF_", "TRANSFORMERS_", "TOKENIZERS_", "VLLM_", "TO
 """Variables of the launcher's environment the actors get (a Ray worker starts from the raylet's)."""
 LOCAL_OBJECT_STORE_BYTES = 256 << 20
 DIED = -int(signal.SIGKILL)  # exit code recorded for an actor that died without returning
+SIGNAL_TASK_S = 120.0
+"""How long a signalling task on another machine's node may take (it may need a new Ray worker)."""
 STRATEGY = "PACK"
 """Placement-group strategy: as few nodes as fit (Ray's PACK), so a small run stays on one node."""
 KEYS_DIR = "keys"
@@ -118,12 +120,12 @@ def host_id() -> str:
 
 
 @ray.remote(num_cpus=0, max_retries=0)
-def _signal_tree(pid: int, sig: int, spare_root: bool) -> int:
-    """On the node of an actor process ``pid``: send ``sig`` to its descendants (and to it unless
-    ``spare_root``); how many were signalled."""
+def _signal_tree(pid: int, sig: int, below: bool) -> int:
+    """On the node of an actor process ``pid``: send ``sig`` to it, or (``below``) to every
+    process under it; how many were signalled."""
     try:
         root = psutil.Process(pid)
-        procs = [*root.children(recursive=True), *([] if spare_root else [root])]
+        procs = root.children(recursive=True) if below else [root]
     except psutil.Error:
         return 0
     for p in procs:
@@ -219,17 +221,21 @@ class ActorHandle:
                     self._code = DIED
         return self._code
 
-    def _on_node(self, sig: int, *, spare_root: bool) -> None:
-        """Signal the actor's process tree through a task on its node (another machine)."""
+    def _on_node(self, sig: int, *, below: bool) -> int | None:
+        """Signal the actor process (or everything under it) through a task on its node; how many
+        processes were signalled (None: the task did not answer within ``SIGNAL_TASK_S``)."""
         strategy = NodeAffinitySchedulingStrategy(self.where["node_id"], soft=False)
-        with contextlib.suppress(Exception):
-            ray.get(_signal_tree.options(scheduling_strategy=strategy).remote(self.where["pid"], int(sig), spare_root),
-                    timeout=30)
+        task = _signal_tree.options(scheduling_strategy=strategy).remote(self.where["pid"], int(sig), below)
+        try:
+            return int(ray.get(task, timeout=SIGNAL_TASK_S))
+        except Exception as e:  # noqa: BLE001  (a lost node, a slow worker start: teardown goes on)
+            log.warning("signalling %s on its node failed: %s", self.name, e)
+            return None
 
     def terminate(self) -> None:
         if not self.local:
             if self.poll() is None:
-                self._on_node(signal.SIGTERM, spare_root=False)
+                self._on_node(signal.SIGTERM, below=False)
             return
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(self.where["pid"], signal.SIGTERM)
@@ -238,7 +244,7 @@ class ActorHandle:
         """SIGKILL what the actor started, then end the actor through Ray (a SIGKILL only if that fails)."""
         pid = self.where["pid"]
         if not self.local:
-            self._on_node(signal.SIGKILL, spare_root=True)
+            self._on_node(signal.SIGKILL, below=True)
             with contextlib.suppress(Exception):
                 ray.kill(self.actor, no_restart=True)
             if self._code is None:
