@@ -266,9 +266,9 @@ def _wired(cfg: LaunchConfig) -> dict[str, str]:
     return wired
 
 
-_PLACEMENT_FLAGS = {"--actor.num_gpus_per_node": ("ranks", "--trainer.ranks"),
-                    "--actor.num_nodes": ("nodes", "--trainer.nodes")}
-"""ppo flag -> (TrainerLaunch field, launcher flag) it must agree with."""
+_PLACEMENT_FLAGS = {"--actor.num_gpus_per_node": ("ranks", "--trainer.ranks", "ranks per node"),
+                    "--actor.num_nodes": ("nodes", "--trainer.nodes", "nodes")}
+"""ppo flag -> (TrainerLaunch field, launcher flag it must agree with, what that counts)."""
 
 
 def _ranks_flag(cfg: LaunchConfig) -> list[str]:
@@ -278,7 +278,7 @@ def _ranks_flag(cfg: LaunchConfig) -> list[str]:
     t = cfg.trainer
     if t.command != "ppo":
         return []
-    return [tok for flag, (field, _) in _PLACEMENT_FLAGS.items() if flag_value(list(t.args), flag) is None
+    return [tok for flag, (field, _, _) in _PLACEMENT_FLAGS.items() if flag_value(list(t.args), flag) is None
             for tok in (flag, str(getattr(t, field)))]
 
 
@@ -299,11 +299,11 @@ def trainer_config(cfg: LaunchConfig) -> Any:
     from treadle.trainer.config import parse_command  # noqa: PLC0415  (no torch)
 
     args = [*cfg.trainer.args, *_ranks_flag(cfg)]
-    for flag, (field, launcher_flag) in _PLACEMENT_FLAGS.items() if command == "ppo" else ():
+    for flag, (field, launcher_flag, what) in _PLACEMENT_FLAGS.items() if command == "ppo" else ():
         given, mine = flag_value(args, flag), getattr(cfg.trainer, field)
         if given is not None and given != str(mine):
-            raise ConfigError(f"`-- ppo` {flag} {given} but {launcher_flag} {mine}: the launcher starts "
-                              f"{launcher_flag} x ...; give the same number to both (or only {launcher_flag})")
+            raise ConfigError(f"`-- ppo` {flag} {given} but {launcher_flag} {mine}: the launcher starts the trainer "
+                              f"on {launcher_flag} {what}; give the same number to both (or only {launcher_flag})")
     for flag, daemon in _wired(cfg).items():
         if flag_value(args, flag) is not None:
             raise ConfigError(f"`-- ppo` {flag}: the launched {daemon} daemon provides it; drop the flag "
