@@ -257,3 +257,17 @@ def test_liger_is_refused_at_start_without_cuda_or_the_package(monkeypatch, tiny
     monkeypatch.setattr(loading.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ConfigError, match=r"needs liger-kernel: pip install 'treadle-trainer\[liger\]'"):
         loading.check_liger([str(tiny)], cuda=True)
+
+
+def test_the_episode_timeout_is_the_flags():
+    """``--rollout.episode_timeout_s`` reaches the executor (it was 600 s, fixed in code: a 70B response
+    of 6k tokens on a loaded pool failed its episode; docs/scaling.md); 0 is no limit, < 0 refused."""
+    from treadle.common.config import ConfigError
+    from treadle.trainer.trainers import ppo_build
+
+    for value in ("0", "3600"):
+        cfg = parse_ppo([*PPO, "--reward.remote_url", "math", "--rollout.episode_timeout_s", value])
+        ex = ppo_build.executor(cfg, sampler=None, chat=None, sampling=ppo_build.sampling_of(cfg, temperature=1.0))
+        assert ex.config.episode_timeout_s == float(value)
+    with pytest.raises(ConfigError, match=r"--rollout\.episode_timeout_s must be >= 0 \(0: no limit\), got -1"):
+        parse_ppo([*PPO, "--rollout.episode_timeout_s", "-1"])

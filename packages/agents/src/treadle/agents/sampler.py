@@ -4,8 +4,11 @@
 their logprobs and the weight version of every generate call that produced them. Two things
 happen under the hood:
 
-- retryable daemon errors (``Busy`` when the pool is at its in-flight limit, ``EngineDead``,
-  ``NoEngine``) are retried with exponential backoff for at most ``retry_budget_s``;
+- retryable daemon errors are retried with exponential backoff (at most 1 s apart): ``Busy``
+  (the pool is at its in-flight limit: the daemon answered, so it is back-pressure, not a fault)
+  for as long as it lasts, the others (``EngineDead``, ``NoEngine``, timeouts) for at most
+  ``retry_budget_s``, counted from the first of them (a round of more samples than
+  ``--max_in_flight_samples`` failed every sample past the limit after 60 s);
 - a sample aborted by a weight update (finish reason "abort", partial tokens kept) is resumed
   from its partial tokens on the new weights, so a turn may span two policy versions (the
   Trajectory's min/max policy version record it).
@@ -25,7 +28,7 @@ from typing import Any, Protocol
 import msgspec
 import numpy as np
 
-from treadle.common.errors import TreadleError
+from treadle.common.errors import Busy, TreadleError
 from treadle.common.records import GenerateResult, SamplingParams
 
 
@@ -86,14 +89,18 @@ class RolloutSampler:
         self.resumes = 0  # aborted samples resumed on new weights
 
     async def _generate(self, prompt_ids: np.ndarray, sampling: SamplingParams, key: str) -> GenerateResult:
-        deadline = time.monotonic() + self.retry_budget_s
+        deadline = None  # set by the first retryable error other than Busy
         delay = 0.02
         while True:
             try:
                 return (await self.client.generate(prompt_ids, sampling, key=key))[0]
             except TreadleError as e:
-                if not e.retryable or time.monotonic() + delay > deadline:
+                if not e.retryable:
                     raise
+                if not isinstance(e, Busy):
+                    deadline = deadline or time.monotonic() + self.retry_budget_s
+                    if time.monotonic() + delay > deadline:
+                        raise
                 self.retries += 1
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 1.0)

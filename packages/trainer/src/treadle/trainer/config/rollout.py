@@ -33,6 +33,10 @@ class RolloutConfig:
     """Nucleus sampling mass."""
     max_tokens_per_gpu: int | None = None
     """Token budget of a scoring micro-batch with dynamic batching; None: train.max_tokens_per_gpu."""
+    episode_timeout_s: float = 600.0
+    """Most seconds one episode (all its turns, rewards and environment steps) may take before it
+    fails (its group dropped, counted in batch/failed_groups); 0: no limit. Raise it where one
+    response takes longer to generate (large models, long responses, a loaded pool)."""
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "micro_batch_size", "n_samples_per_prompt"):
@@ -42,6 +46,8 @@ class RolloutConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ConfigError(f"--{name} must be >= 1 (or None), got {value}")
+        if not self.episode_timeout_s >= 0:
+            raise ConfigError(f"--episode_timeout_s must be >= 0 (0: no limit), got {self.episode_timeout_s}")
         if not self.temperature >= 0:
             raise ConfigError(f"--temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:

@@ -180,7 +180,7 @@ def executor(cfg: PPOConfig, *, sampler: Any, chat: Any, sampling: SamplingParam
     (programs through ``gateway``), else single-turn with a reward source."""
     from treadle.agents.executor import ExecutorConfig, SingleTurnExecutor  # noqa: PLC0415
 
-    config = ExecutorConfig(max_length=cfg.max_len, episode_timeout_s=600.0)
+    config = ExecutorConfig(max_length=cfg.max_len, episode_timeout_s=cfg.rollout.episode_timeout_s)
     if cfg.train.agent_cmd:
         from treadle.agents.program import ProgramExecutor  # noqa: PLC0415
 
