@@ -72,6 +72,7 @@ class PPOTrainer:
         self.version = 0
         self._offloaded = False
         self.pending: collections.deque[Group] = collections.deque()
+        self.first_error: str | None = None  # rank 0: the first failed sample's error, for the end-of-run summary
         self.stream: PromptStream | None = None
 
     # -- configuration views -------------------------------------------------------------------
@@ -153,6 +154,9 @@ class PPOTrainer:
         cfg = self.cfg
         if group.failed:
             counts["failed_groups"] += 1
+            if self.first_error is None:
+                self.first_error = next(str(t.info.get("error", "")) for t in group.trajectories
+                                        if t.finish_reason == "error")
         elif cfg.algo.dynamic_filtering_enable and not bool(dynamic_filter(
                 torch.tensor([t.score if t.score is not None else (t.reward or 0.0) for t in group.trajectories]),
                 len(group.trajectories), *cfg.algo.dynamic_filtering_range)[0]):
@@ -486,11 +490,14 @@ class PPOTrainer:
         stale): a warning naming rank 0's counts, or, when not one step was trained, a ConfigError on
         every rank (``done`` is the same on all), before anything is exported."""
         lo, hi = self.cfg.algo.dynamic_filtering_range
+        first = (f"; the first: {self.first_error[:500]}" if self.dist.is_main else "; the first is in rank 0's log") \
+            if self.first_error is not None or not self.dist.is_main else ""
         names = {"filtered_groups": f"filtered by --algo.dynamic_filtering_range {lo:g} {hi:g}",
-                 "failed_groups": "failed (a generation or reward error)",
+                 "failed_groups": f"failed (a sample's generation, reward or agent raised{first})",
                  "stale_groups": f"older than --train.async_queue_size {self.cfg.train.async_queue_size}"}
-        why = "; ".join(f"{n} {names.get(k, k)}" for k, n in sorted(drops.items()) if n) if self.dist.is_main \
-            else "rank 0's log says which"
+        keys = sorted(names)  # rank 0 counted; every rank names the same counts
+        counts = all_reduce([float(drops.get(k, 0)) for k in keys], self.dist.device, op="max")
+        why = "; ".join(f"{int(n)} {names[k]}" for k, n in zip(keys, counts, strict=True) if n)
         msg = f"the prompts ran out after {done} of {total} steps: groups dropped: {why or 'none'}"
         if done == 0:
             raise ConfigError(f"no step was trained; {msg}")
