@@ -13,7 +13,8 @@ daemon on the third node. Checked from run.json, the trainer's metrics and its l
 part ran, that the daemons bound their node's address with keys, and that every weight sync
 reached both engines. Then the same launch resumed from its checkpoint (each trajectory trained
 once), and (also marked chaos) the engines' node killed mid-run: today the run fails cleanly
-(the daemon's exit status, nothing left running), it does not recover.
+(the daemon's exit status, nothing left running); and with ``--max_restarts 1`` and a node with
+the same labels added back, the launch restarts, resumes from its checkpoint and finishes.
 """
 
 from __future__ import annotations
@@ -346,3 +347,61 @@ def test_losing_the_engines_node_mid_run_fails_the_run_and_leaves_nothing_behind
         assert record["failed"] in ("rollout", "rewards", "trainer", "trainer.1")
         time.sleep(1.0)
         assert not helpers.survivors(seen)
+
+
+@pytest.mark.slow
+def test_losing_the_engines_node_with_max_restarts_resumes_from_the_checkpoint_on_a_new_node(tiny, task, helpers,
+                                                                                           tmp_path):
+    """``--max_restarts 1``: the engines' node is removed after the first checkpoint and a node
+    with the same labels added back; the launcher tears the rest down, places the plan again (the
+    daemons on the new node, at new addresses), starts the trainer with ``--ckpt.load_enable`` and
+    finishes every step with exit 0; each trajectory is trained once."""
+    import time
+
+    from treadle.integration.restart import checkpoint_step
+    from treadle.trainer.rl.trajlog import TrajectoryLog
+
+    with _three_nodes() as (cluster, _, ray_tmp):  # a cluster of its own: this test swaps a node
+        run, ckpt = tmp_path / "run", tmp_path / "ckpt"
+        args = ["--backend", "ray", "--ray.address", cluster.address, "--run_dir", str(run),
+                "--max_restarts", "1", "--restart_backoff_s", "1", "--stop_timeout_s", "10",
+                "--trainer.nodes", "2", "--trainer.node_labels", "role=trainer",
+                "--rollout.node_labels", "role=engines", "--rewards.node_labels", "role=engines",
+                "--", "rollout", "--", "rewards", "--functions", str(task.reward), "--workers.num_workers", "1",
+                "--", "ppo", *_ppo_zero3(helpers, tiny, task, tmp_path), "--data.max_samples", "6",
+                "--ckpt.save_steps", "1"]  # 3 steps, a checkpoint after each
+        proc = helpers.launch(args, env=helpers.child_env(TREADLE_LOG_JSON="1", RAY_TMPDIR=str(ray_tmp)))
+        helpers.wait_for(lambda: checkpoint_step(ckpt), 600, proc, "the first checkpoint")
+        record = helpers.run_json(run)
+        lost = record["placement"]["rollout"]["node_id"]
+        engines = next(n for n in cluster.worker_nodes if n.node_id == lost)
+        cluster.remove_node(engines, allow_graceful=False)
+        time.sleep(2.0)
+        fresh = cluster.add_node(num_cpus=2, labels={"role": "engines"})
+        out = helpers.finish(proc, 600)
+        assert proc.returncode == 0, out[-6000:]
+
+        record = helpers.run_json(run)
+        first, last = record["attempts"]
+        print(f"engines' node replaced: attempt 1 {first['failed']} ({first['reason']}), exit codes "
+              f"{first['exit_codes']}, resumed from step {first['checkpoint_step']}")
+        assert record["attempt"] == 2 and record["exit_code"] == 0
+        assert first["restarted"] and first["exit_code"] in (10, 11, 12) and first["checkpoint_step"] >= 1
+        assert first["failed"] in ("rollout", "rewards", "trainer", "trainer.1")
+        assert (last["restarted"], last["exit_code"]) == (False, 0)
+        assert record["placement"]["rollout"]["node_id"] == record["placement"]["rewards"]["node_id"] == fresh.node_id
+        assert "--ckpt.load_enable" in record["components"]["trainer"]["cmd"]
+        assert "--ckpt.load_enable" not in json.loads((run / "attempt-1" / "run.json").read_text())[
+            "components"]["trainer"]["cmd"]
+        assert (run / "attempt-1" / "trainer.log").is_file() and (run / "attempt-1" / "run.json").is_file()
+        resumed = _log_records(run / "trainer.log", "resumed")
+        assert len(resumed) == 1 and resumed[0]["step"] == first["checkpoint_step"], resumed
+
+    rows = [json.loads(line) for line in (ckpt / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["step"] == 3 and {r["step"] for r in rows} == {1, 2, 3}
+    with TrajectoryLog(ckpt / "trajectories") as tl:
+        lineage = tl.lineage(3)
+        pending = tl.recover(3).pending
+    used = [u for step in sorted(lineage) for u in lineage[step]]
+    assert sorted(lineage) == [1, 2, 3] and len(used) == 3 * 8
+    assert len(set(used)) == len(used) and not pending

@@ -12,8 +12,10 @@
 bad flag anywhere fails before anything starts), runs the backend, and always tears everything
 down. Exit status: 0 when the trainer finished (or, without a trainer, never: daemons serve until
 Ctrl-C, which exits 130); 10 trainer, 11 rollout, 12 rewards, 13 agents when that component
-failed; 2 for invalid flags; 1 when the launcher itself failed. Each component's log and
-``run.json`` are in the run directory.
+failed; 2 for invalid flags; 1 when the launcher itself failed. With ``--max_restarts N`` a run
+whose component failed is started again from the trainer's last checkpoint, up to N times
+(``restart``); the exit status is then the last attempt's. Each component's log and ``run.json``
+are in the run directory (an earlier attempt's in ``attempt-<n>/``).
 """
 
 from __future__ import annotations
@@ -24,12 +26,14 @@ import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from treadle.common import env
 from treadle.common.config import ConfigError, dump_yaml
 from treadle.common.log import get_logger, setup_logging
 from treadle.integration.config import LaunchConfig, parse_launch
 from treadle.integration.plan import EXIT_LAUNCH_ERROR, Plan, make_plan
+from treadle.integration.restart import run_attempts
 from treadle.integration.supervise import Outcome
 
 log = get_logger(__name__)
@@ -53,24 +57,30 @@ def install_stop_handlers(stop: threading.Event) -> None:
         signal.signal(sig, handler)
 
 
-def launch(plan: Plan, run_dir: Path, stop: threading.Event) -> Outcome:
-    """Run ``plan`` on its backend (Ray imported only for the ray backend)."""
-    dump_yaml(plan.cfg, run_dir / "launch.yaml")
+def run_once(plan: Plan, run_dir: Path, stop: threading.Event, prior: dict[str, Any]) -> Outcome:
+    """One attempt of ``plan`` on its backend (Ray imported only for the ray backend)."""
     if plan.cfg.backend == "ray":
         from treadle.integration.ray_backend import run_ray  # noqa: PLC0415
 
-        return run_ray(plan, run_dir, stop)
+        return run_ray(plan, run_dir, stop, prior)
     from treadle.integration.local import run_local  # noqa: PLC0415
     from treadle.integration.procs import become_subreaper, kill_children, reap  # noqa: PLC0415
 
     become_subreaper()  # orphans of the components come to us, so the sweep below finds them
     try:
-        return run_local(plan, run_dir, stop)
+        return run_local(plan, run_dir, stop, prior)
     finally:
         if kill_children():
             log.warning("killed leftover processes of the components")
         time.sleep(0.1)
         reap()
+
+
+def launch(plan: Plan, run_dir: Path, stop: threading.Event) -> Outcome:
+    """Run ``plan``, and again from the trainer's last checkpoint after a failure while
+    ``--max_restarts`` allows (``restart``)."""
+    dump_yaml(plan.cfg, run_dir / "launch.yaml")
+    return run_attempts(plan, run_dir, stop, run_once)
 
 
 def report(outcome: Outcome, run_dir: Path) -> str:

@@ -196,10 +196,24 @@ class LaunchConfig:
     """How long a daemon may take to answer its health check."""
     stop_timeout_s: float = 30.0
     """At teardown: seconds between SIGTERM and SIGKILL."""
+    max_restarts: int = 0
+    """After a component fails (the trainer, a daemon, a Ray node with them): tear down, then start
+    the whole run again from the trainer's last checkpoint (--ckpt.load_enable), up to this many
+    times; not after Ctrl-C / SIGTERM, the trainer's config error, or an attempt that saved no new
+    checkpoint. 0: a failure ends the launch."""
+    restart_backoff_s: float = 5.0
+    """Seconds between an attempt's teardown and the next attempt's start (--max_restarts)."""
 
     def __post_init__(self) -> None:
         if not (self.start_timeout_s > 0 and self.stop_timeout_s > 0):
             raise ConfigError("--start_timeout_s and --stop_timeout_s must be > 0")
+        if self.max_restarts < 0:
+            raise ConfigError(f"--max_restarts must be >= 0, got {self.max_restarts}")
+        if self.restart_backoff_s < 0:
+            raise ConfigError(f"--restart_backoff_s must be >= 0, got {self.restart_backoff_s}")
+        if self.max_restarts and self.trainer.command is None:
+            raise ConfigError(f"--max_restarts {self.max_restarts} restarts a run from the trainer's checkpoint: "
+                              "add a trainer section (`-- ppo ...`); daemons alone are not restarted")
         if self.trainer.command is None and not self.daemons:
             raise ConfigError("nothing to launch: add sections such as `-- rollout ...`, `-- rewards ...`, `-- ppo ...`")
         if self.trainer.command is None and self.trainer.args:

@@ -93,10 +93,10 @@ def start_daemons(plan: Plan, sup: Supervisor, run_dir: Path, environ: dict[str,
     return addresses
 
 
-def run_local(plan: Plan, run_dir: Path, stop: threading.Event) -> Outcome:
+def run_local(plan: Plan, run_dir: Path, stop: threading.Event, prior: dict[str, Any] | None = None) -> Outcome:
     """Start, supervise and tear down ``plan`` as local processes; the outcome is also in run.json."""
     cfg = plan.cfg
-    record = RunRecord(run_dir, "local")
+    record = RunRecord(run_dir, "local", prior)
     sup = Supervisor(record, stop, stop_timeout_s=cfg.stop_timeout_s)
     trainers = trainer_groups(cfg)  # one: the local backend runs one node
     environ = env.child_env(CHILD_ENV)

@@ -155,6 +155,11 @@ def given_names(args: Sequence[str]) -> set[str]:
     return {n for n in (flag_name(a) for a in args) if n is not None}
 
 
+def gives_flag(args: Sequence[str], name: str) -> bool:
+    """Whether ``args`` give flag ``name`` or its boolean twin."""
+    return bool(_twins(name) & given_names(args))
+
+
 def merge(derived: Sequence[str], user: Sequence[str]) -> list[str]:
     """The derived flags the user did not give (nor their boolean twins), then the user's flags."""
     mine = given_names(user)
@@ -327,6 +332,11 @@ def make_plan(cfg: LaunchConfig) -> Plan:
         raise ConfigError(f"--train.colocate_all with --trainer.nodes {cfg.trainer.nodes}: the launched rollout daemon "
                           "runs on one node, so its engines cannot share the GPUs of every trainer node (a daemon "
                           "per node is not done yet); drop --train.colocate_all or run the trainer on one node")
+    ckpt = getattr(tcfg, "ckpt", None)
+    if cfg.max_restarts and ckpt is not None and ckpt.save_steps == -1:
+        raise ConfigError(f"--max_restarts {cfg.max_restarts} resumes from the trainer's checkpoints, but `-- "
+                          f"{cfg.trainer.command}` saves one only at the end (--ckpt.save_steps -1): give "
+                          "--ckpt.save_steps N")
     return Plan(cfg=cfg, daemons=daemons, trainer_cfg=tcfg, colocate=colocate)
 
 

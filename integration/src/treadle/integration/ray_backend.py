@@ -37,7 +37,8 @@ group's removal. An actor in the launcher's own pid namespace (same machine) is 
 its process tree tracked directly; one on another machine through a task pinned to its node
 (``NodeAffinitySchedulingStrategy``), which signals the actor's process tree as it is then.
 Not here: the supervision policy (``supervise``), recovery from a lost node (a component on a
-node that dies fails the run, as any component's death does).
+node that dies fails the attempt, as any component's death does; with ``--max_restarts``
+``restart`` then runs the whole plan again, placed anew, from the trainer's last checkpoint).
 """
 
 from __future__ import annotations
@@ -390,12 +391,12 @@ def start_trainer(plan: Plan, sup: Supervisor, actors: dict[str, Any], where: di
         sup.add(ActorHandle(name, actors[name], where[name], ref, log_path, argv))
 
 
-def run_ray(plan: Plan, run_dir: Path, stop: threading.Event) -> Outcome:
+def run_ray(plan: Plan, run_dir: Path, stop: threading.Event, prior: dict[str, Any] | None = None) -> Outcome:
     """Start, supervise and tear down ``plan`` as Ray actors; the outcome is also in run.json."""
     cfg = plan.cfg
     bundles, _, _ = bundles_of(plan)
     started = connect(cfg.ray, sum(b.get("CPU", 0) for b in bundles))
-    record = RunRecord(run_dir, "ray")
+    record = RunRecord(run_dir, "ray", prior)
     record.update(ray={"address": ray.get_runtime_context().gcs_address, "started_local_cluster": started,
                        "bundles": bundles, "strategy": STRATEGY, "label_selectors": selectors_of(plan)})
     sup = Supervisor(record, stop, stop_timeout_s=cfg.stop_timeout_s)

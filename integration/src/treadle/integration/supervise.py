@@ -85,10 +85,13 @@ class Outcome:
 class RunRecord:
     """``run.json``: rewritten whole (atomically) on every change."""
 
-    def __init__(self, run_dir: Path, backend: str) -> None:
+    def __init__(self, run_dir: Path, backend: str, prior: dict[str, Any] | None = None) -> None:
+        """``prior``: fields the record starts with (``restart``: the attempt number and the
+        attempts before this one)."""
         self.path = run_dir / "run.json"
         self.data: dict[str, Any] = {"backend": backend, "run_dir": str(run_dir), "started": time.time(),
-                                     "launcher_pid": os.getpid(), "components": {}, "addresses": {}}
+                                     "launcher_pid": os.getpid(), **(prior or {}), "components": {},
+                                     "addresses": {}}
         self.write()
 
     def component(self, name: str, **fields: Any) -> None:

@@ -1,0 +1,190 @@
+"""``--max_restarts``: a failed run starts again from the trainer's last checkpoint.
+
+Fast part: the rules (``restart_decision``), the resumed plan (``--ckpt.load_enable`` added), and
+the attempt loop (``run_attempts``) driven by a fake backend standing in for local / Ray (it
+writes run.json and checkpoint folders as the real ones do and returns a scripted outcome): a
+restart after progress, none after a config error, without progress, or after Ctrl-C; run.json's
+attempt history and the archived logs. Refusals at parse time.
+
+Slow part (test_ray_multinode's three nodes): the engines' node is removed after the first
+checkpoint and a node with the same labels added back; with ``--max_restarts 1`` the launcher
+tears down, places the plan again, resumes from the checkpoint and finishes every step with exit
+0, each trajectory trained once.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from treadle.common.config import ConfigError
+from treadle.integration.config import parse_launch
+from treadle.integration.plan import EXIT_CODES, EXIT_INTERRUPTED, flag_value, make_plan
+from treadle.integration.restart import (
+    TRAINER_CONFIG_ERROR,
+    checkpoint_step,
+    restart_decision,
+    resumed_plan,
+    run_attempts,
+)
+from treadle.integration.supervise import Outcome, RunRecord
+
+DAEMON_FAILED = Outcome(exit_code=EXIT_CODES["rollout"], failed="rollout", reason="killed by SIGKILL")
+
+
+def plan_for(ckpt: Path, *launcher: str, ppo: tuple[str, ...] = ()):
+    return make_plan(parse_launch([
+        "--max_restarts", "2", "--restart_backoff_s", "0", *launcher, "--", "rollout", "--", "ppo",
+        "--actor.model_name_or_path", "M", "--data.prompt_dataset", "p.jsonl", "--reward.remote_url", "math",
+        "--algo.advantage.estimator", "group_norm", "--rollout.n_samples_per_prompt", "4",
+        "--rollout.batch_size", "2", "--train.batch_size", "8", "--ckpt.save_steps", "1",
+        "--ckpt.path", str(ckpt), *ppo]))
+
+
+def save(ckpt: Path, step: int, *, complete: bool = True) -> None:
+    d = ckpt / f"step_{step:08d}"
+    d.mkdir(parents=True)
+    if complete:
+        (d / "state.json").write_text("{}")
+
+
+def test_the_newest_complete_checkpoint_is_what_counts(tmp_path):
+    assert checkpoint_step(tmp_path / "none") is None
+    save(tmp_path, 3)
+    save(tmp_path, 12)
+    save(tmp_path, 14, complete=False)  # being written, or killed mid-save
+    (tmp_path / ".tmp-step_00000015").mkdir()
+    assert checkpoint_step(tmp_path) == 12
+
+
+@pytest.mark.parametrize("outcome, kw, restart, why", [
+    (DAEMON_FAILED, {}, True, "rollout failed (killed by SIGKILL); resuming from the checkpoint of step 4"),
+    (Outcome(exit_code=0), {}, False, "finished"),
+    (Outcome(exit_code=EXIT_INTERRUPTED, reason="interrupted"), {}, False, "a stop request never restarts"),
+    (DAEMON_FAILED, {"attempt": 3}, False, "no restarts left (--max_restarts 2)"),
+    (Outcome(exit_code=10, failed="trainer", reason="exit status 2"), {"trainer_exit": TRAINER_CONFIG_ERROR},
+     False, "the trainer refused its config"),
+    (DAEMON_FAILED, {"step_before": 4}, False, "no new checkpoint during attempt 1 (still step 4)"),
+    (DAEMON_FAILED, {"step_after": None, "step_before": None}, False, "no new checkpoint during attempt 1 (none"),
+])
+def test_when_a_failed_attempt_is_restarted(outcome, kw, restart, why):
+    args = {"attempt": 1, "max_restarts": 2, "trainer_exit": None, "step_before": 2, "step_after": 4, **kw}
+    decision = restart_decision(outcome, **args)
+    assert decision.restart is restart and why in decision.why
+
+
+def test_the_resumed_plan_loads_the_checkpoint_unless_the_user_said(tmp_path):
+    plan = plan_for(tmp_path)
+    again = resumed_plan(plan)
+    assert again.trainer_cfg.ckpt.load_enable and again.cfg.trainer.args[-1] == "--ckpt.load_enable"
+    assert resumed_plan(again).cfg.trainer.args == again.cfg.trainer.args  # given once
+    theirs = plan_for(tmp_path, ppo=("--ckpt.no_load_enable",))
+    assert resumed_plan(theirs).cfg.trainer.args == theirs.cfg.trainer.args
+
+
+class FakeBackend:
+    """Stands in for run_local / run_ray: records run.json as they do (RunRecord with the loop's
+    prior fields, one log per component), saves the scripted checkpoints, returns the scripted
+    outcomes; remembers the trainer flags of each attempt."""
+
+    def __init__(self, ckpt: Path, script: list[tuple[Outcome, int | None, dict[str, int]]]) -> None:
+        self.ckpt = ckpt
+        self.script = list(script)
+        self.trainer_args: list[tuple[str, ...]] = []
+
+    def __call__(self, plan, run_dir: Path, stop: threading.Event, prior: dict) -> Outcome:
+        outcome, saved, codes = self.script.pop(0)
+        self.trainer_args.append(plan.cfg.trainer.args)
+        record = RunRecord(run_dir, "fake", prior)
+        for name, code in codes.items():
+            (run_dir / f"{name}.log").write_text(f"attempt {prior.get('attempt', 1)}\n")
+            record.component(name, state="exited", exit_code=code)
+        if saved is not None:
+            save(self.ckpt, saved)
+        record.update(exit_code=outcome.exit_code, failed=outcome.failed)
+        return outcome
+
+
+def test_a_failed_run_restarts_from_its_checkpoint_and_records_each_attempt(tmp_path):
+    ckpt, run = tmp_path / "ckpt", tmp_path / "run"
+    run.mkdir()
+    backend = FakeBackend(ckpt, [
+        (DAEMON_FAILED, 1, {"rollout": -9, "trainer": -15}),
+        (Outcome(exit_code=0), 3, {"rollout": 0, "trainer": 0}),
+    ])
+    outcome = run_attempts(plan_for(ckpt), run, threading.Event(), backend)
+
+    assert outcome.exit_code == 0
+    assert "--ckpt.load_enable" not in backend.trainer_args[0]
+    assert backend.trainer_args[1][-1] == "--ckpt.load_enable"
+    record = json.loads((run / "run.json").read_text())
+    assert record["attempt"] == 2 and record["exit_code"] == 0
+    first, last = record["attempts"]
+    assert first["attempt"] == 1 and first["restarted"] and first["exit_code"] == 11 and first["failed"] == "rollout"
+    assert first["exit_codes"] == {"rollout": -9, "trainer": -15} and first["checkpoint_step"] == 1
+    assert last == {**last, "attempt": 2, "restarted": False, "why": "finished", "exit_code": 0}
+    # the first attempt's logs and record moved aside; the top level is the last attempt's
+    assert (run / "attempt-1" / "rollout.log").read_text() == "attempt 1\n"
+    assert json.loads((run / "attempt-1" / "run.json").read_text())["attempt"] == 1
+    assert (run / "trainer.log").read_text() == "attempt 2\n"
+
+
+def test_a_config_error_or_a_failure_without_progress_is_not_restarted(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    config_error = Outcome(exit_code=EXIT_CODES["trainer"], failed="trainer", reason="exit status 2")
+    for name, script in (("config", [(config_error, None, {"rollout": 0, "trainer": TRAINER_CONFIG_ERROR})]),
+                         ("stuck", [(DAEMON_FAILED, 2, {"rollout": -9, "trainer": -15}),
+                                    (DAEMON_FAILED, None, {"rollout": -9, "trainer": -15})])):
+        run = tmp_path / name
+        run.mkdir()
+        backend = FakeBackend(ckpt, script)
+        outcome = run_attempts(plan_for(ckpt), run, threading.Event(), backend)
+        assert not backend.script, name  # every scripted attempt ran, and no more
+        record = json.loads((run / "run.json").read_text())
+        assert outcome.exit_code == record["attempts"][-1]["exit_code"] == script[-1][0].exit_code
+        assert not record["attempts"][-1]["restarted"]
+    assert "refused its config" in json.loads((tmp_path / "config" / "run.json").read_text())["attempts"][0]["why"]
+    stuck = json.loads((tmp_path / "stuck" / "run.json").read_text())["attempts"]
+    assert [a["restarted"] for a in stuck] == [True, False] and "still step 2" in stuck[1]["why"]
+
+
+def test_a_stop_during_the_backoff_ends_the_launch(tmp_path):
+    ckpt, run = tmp_path / "ckpt", tmp_path / "run"
+    run.mkdir()
+    stop = threading.Event()
+    backend = FakeBackend(ckpt, [(DAEMON_FAILED, 1, {"rollout": -9})])
+    plan = plan_for(ckpt, "--restart_backoff_s", "30")
+    threading.Timer(0.5, stop.set).start()
+    started = time.monotonic()
+    outcome = run_attempts(plan, run, stop, backend)
+    assert outcome.exit_code == EXIT_INTERRUPTED and time.monotonic() - started < 30
+    assert json.loads((run / "run.json").read_text())["attempts"][0]["why"] == "interrupted during --restart_backoff_s"
+
+
+def test_without_max_restarts_one_failure_ends_the_launch_as_before(tmp_path):
+    ckpt, run = tmp_path / "ckpt", tmp_path / "run"
+    run.mkdir()
+    backend = FakeBackend(ckpt, [(DAEMON_FAILED, 1, {"rollout": -9})])
+    plan = plan_for(ckpt, "--max_restarts", "0")
+    assert run_attempts(plan, run, threading.Event(), backend) == DAEMON_FAILED
+    assert "attempts" not in json.loads((run / "run.json").read_text())
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--max_restarts", "-1", "--", "rollout"], "--max_restarts must be >= 0"),
+    (["--max_restarts", "1", "--", "rollout"], "add a trainer section"),
+    (["--restart_backoff_s", "-1", "--", "rollout"], "--restart_backoff_s must be >= 0"),
+])
+def test_restart_flags_are_checked_at_parse_time(argv, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_launch(argv)
+
+
+def test_restarts_need_checkpoints_during_the_run(tmp_path):
+    with pytest.raises(ConfigError, match="--ckpt.save_steps -1"):
+        plan_for(tmp_path, ppo=("--ckpt.save_steps", "-1"))
+    assert flag_value(list(plan_for(tmp_path).cfg.trainer.args), "--ckpt.save_steps") == "1"
