@@ -188,3 +188,25 @@ def test_restarts_need_checkpoints_during_the_run(tmp_path):
     with pytest.raises(ConfigError, match="--ckpt.save_steps -1"):
         plan_for(tmp_path, ppo=("--ckpt.save_steps", "-1"))
     assert flag_value(list(plan_for(tmp_path).cfg.trainer.args), "--ckpt.save_steps") == "1"
+
+
+def test_a_trainer_refusing_a_data_row_is_not_restarted(tiny, helpers, tmp_path):
+    """The local backend, a real trainer and no daemons: a prompt row without its key makes
+    treadle-train exit 2 before its first step; with --max_restarts 2 the launcher runs it once."""
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "a"}\n{"nope": 1}\n')
+    run = tmp_path / "run"
+    proc = helpers.launch(["--run_dir", str(run), "--max_restarts", "2", "--restart_backoff_s", "0", "--", "ppo",
+                           "--actor.model_name_or_path", str(tiny), "--data.prompt_dataset", str(bad),
+                           "--data.input_key", "prompt", "--reward.remote_url", "math", "--algo.advantage.estimator",
+                           "group_norm", "--rollout.n_samples_per_prompt", "2", "--rollout.batch_size", "1",
+                           "--train.batch_size", "2", "--ckpt.save_steps", "1", "--ckpt.path", str(tmp_path / "ckpt"),
+                           "--ckpt.output_dir", str(tmp_path / "model"), "--vllm.backend", "hf"])
+    out = helpers.finish(proc, 300)
+    assert proc.returncode == EXIT_CODES["trainer"], out[-4000:]
+    assert "not restarting: the trainer refused its config" in out
+    record = helpers.run_json(run)
+    assert record["attempt"] == 1 and not (run / "attempt-1").exists()
+    (only,) = record["attempts"]
+    assert only["exit_codes"] == {"trainer": TRAINER_CONFIG_ERROR} and not only["restarted"]
+    assert "row 1: key 'prompt'" in (run / "trainer.log").read_text()
