@@ -14,7 +14,9 @@ engine is ready.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import os
 import signal
 import sys
 from collections.abc import Sequence
@@ -40,6 +42,7 @@ async def serve(cfg: ServeConfig) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    watch = asyncio.create_task(_watch_pid(cfg.exit_with_pid, stop)) if cfg.exit_with_pid else None
     try:
         endpoint = await server.start()
         metrics = f" metrics=http://{server.metrics_address[0]}:{server.metrics_address[1]}/metrics" \
@@ -47,7 +50,32 @@ async def serve(cfg: ServeConfig) -> None:
         print(f"treadle-rollout: serving {endpoint} ({cfg.engines} {cfg.backend} engines){metrics}", flush=True)
         await stop.wait()
     finally:
+        if watch is not None:
+            watch.cancel()
         await server.close()
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists and is not a zombie (Linux's /proc state; elsewhere existence only)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    with contextlib.suppress(OSError), open(f"/proc/{pid}/stat") as f:
+        return f.read().rpartition(")")[2].split()[0] != "Z"
+    return True
+
+
+async def _watch_pid(pid: int, stop: asyncio.Event, poll_s: float = 1.0) -> None:
+    """Set ``stop`` once process ``pid`` no longer exists (``--exit_with_pid``)."""
+    while not stop.is_set():
+        if not pid_alive(pid):
+            print(f"treadle-rollout: process {pid} (--exit_with_pid) is gone; shutting down", flush=True)
+            stop.set()
+            return
+        await asyncio.sleep(poll_s)
 
 
 def _client(endpoint: str, curve_dir: str, timeout_s: float) -> Any:

@@ -130,6 +130,9 @@ class ServeConfig:
     """GPUs to place engines on: slot k gets the next tensor*pipeline ids (CUDA_VISIBLE_DEVICES)."""
     run_dir: str = ""
     """Folder for the engines' ipc sockets; empty: a fresh temporary folder."""
+    exit_with_pid: int | None = None
+    """Shut down (as on SIGTERM) once process PID is gone: a trainer that starts its own daemon
+    passes its pid, so a trainer killed hard leaves no daemon behind; None: run until signalled."""
     engine: EngineOptions = EngineOptions()
     """Engine options."""
 

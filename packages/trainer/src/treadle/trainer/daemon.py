@@ -140,7 +140,10 @@ class OwnedDaemon:
 
     def __init__(self, spec: DaemonSpec, *, start_timeout_s: float = 900.0) -> None:
         self.endpoint = f"tcp://127.0.0.1:{_free_port()}"
-        cmd = [sys.executable, "-m", "treadle.rollout", "serve", *serve_args(spec, self.endpoint)]
+        # --exit_with_pid: the daemon lives in a session of its own (a Ctrl-C at the trainer's terminal is
+        # the trainer's to handle), so it must notice a trainer killed hard by itself
+        cmd = [sys.executable, "-m", "treadle.rollout", "serve", *serve_args(spec, self.endpoint),
+               "--exit_with_pid", str(os.getpid())]
         log.info("starting rollout daemon", extra={"fields": {"cmd": " ".join(cmd)}})
         self.proc = subprocess.Popen(cmd, env=env.child_env(), start_new_session=True, stdin=subprocess.DEVNULL)
         self.start_timeout_s = start_timeout_s
