@@ -358,6 +358,8 @@ def test_losing_the_engines_node_with_max_restarts_resumes_from_the_checkpoint_o
     finishes every step with exit 0; each trajectory is trained once."""
     import time
 
+    import psutil
+
     from treadle.integration.restart import checkpoint_step
     from treadle.trainer.rl.trajlog import TrajectoryLog
 
@@ -373,6 +375,8 @@ def test_losing_the_engines_node_with_max_restarts_resumes_from_the_checkpoint_o
         proc = helpers.launch(args, env=helpers.child_env(TREADLE_LOG_JSON="1", RAY_TMPDIR=str(ray_tmp)))
         helpers.wait_for(lambda: checkpoint_step(ckpt), 600, proc, "the first checkpoint")
         record = helpers.run_json(run)
+        seen = [p for c in record["components"].values() for p in
+                [psutil.Process(c["pid"]), *helpers.descendants(c["pid"])]]  # attempt 1's processes
         lost = record["placement"]["rollout"]["node_id"]
         engines = next(n for n in cluster.worker_nodes if n.node_id == lost)
         cluster.remove_node(engines, allow_graceful=False)
@@ -380,6 +384,7 @@ def test_losing_the_engines_node_with_max_restarts_resumes_from_the_checkpoint_o
         fresh = cluster.add_node(num_cpus=2, labels={"role": "engines"})
         out = helpers.finish(proc, 600)
         assert proc.returncode == 0, out[-6000:]
+        assert not helpers.survivors(seen)  # attempt 1 was torn down whole before attempt 2
 
         record = helpers.run_json(run)
         first, last = record["attempts"]

@@ -4,7 +4,8 @@ Fast part: the rules (``restart_decision``), the resumed plan (``--ckpt.load_ena
 the attempt loop (``run_attempts``) driven by a fake backend standing in for local / Ray (it
 writes run.json and checkpoint folders as the real ones do and returns a scripted outcome): a
 restart after progress, none after a config error, without progress, or after Ctrl-C; run.json's
-attempt history and the archived logs. Refusals at parse time.
+attempt history and the archived logs. Refusals at parse time. And one real launch (local
+backend, real trainer): a trainer exiting 2 on a bad data row is not restarted.
 
 Slow part (test_ray_multinode's three nodes): the engines' node is removed after the first
 checkpoint and a node with the same labels added back; with ``--max_restarts 1`` the launcher
