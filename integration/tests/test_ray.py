@@ -200,3 +200,19 @@ def test_train_ppo_ray_through_ray_job_submit(ray_head, tiny, task, helpers, tmp
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     assert "succeeded" in proc.stdout + proc.stderr
     _check_seed_run(_only_run_dir(runs), tmp_path)
+
+
+def test_rays_temp_folder_fits_its_socket_paths(tmp_path):
+    """A checkout deep in the tree made ``./.cache/ray`` too long for Ray's AF_UNIX socket paths
+    (Ray died with a raw OSError): the default falls back to the system temp folder, and a given
+    ``--ray.temp_dir`` that is too deep is refused naming the flag."""
+    from treadle.common.config import ConfigError
+    from treadle.integration.ray_backend import AF_UNIX_MAX, RAY_SOCKET_SUFFIX, ray_temp_dir
+
+    assert ray_temp_dir("", Path("/tmp/c")) == Path("/tmp/c/ray")  # short enough: kept
+    deep = tmp_path / ("d" * 80)
+    fallback = ray_temp_dir("", deep)
+    assert fallback != deep / "ray" and len(str(fallback)) + RAY_SOCKET_SUFFIX <= AF_UNIX_MAX
+    assert ray_temp_dir("/tmp/ray", deep) == Path("/tmp/ray")
+    with pytest.raises(ConfigError, match=r"^--ray\.temp_dir .*too long for Ray's socket paths"):
+        ray_temp_dir(str(deep / "ray"), tmp_path)

@@ -162,7 +162,8 @@ class RayLaunch:
     """ray.init address: None: Ray's own choice (RAY_ADDRESS, else a running local cluster, else a
     new one); "local": always a new local cluster; "auto" or host:port: that cluster."""
     temp_dir: str = ""
-    """Temp/session folder of a new local cluster; empty: <TREADLE_CACHE_DIR or ./.cache>/ray."""
+    """Temp/session folder of a new local cluster; empty: <TREADLE_CACHE_DIR or ./.cache>/ray, or
+    <system temp>/treadle-ray-<uid> where that is too deep for Ray's 107-byte socket paths."""
     num_cpus: int | None = None
     """Logical CPUs of a new local cluster; None: the machine's cores (at least what the plan needs)."""
     placement_timeout_s: float = 120.0

@@ -51,6 +51,7 @@ import secrets
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -277,6 +278,28 @@ class ActorHandle:
 # placement
 
 
+RAY_SOCKET_SUFFIX = len("/session_2026-12-03_07-12-00_123456_1234567/sockets/plasma_store")
+"""What Ray appends to its temp folder for its longest AF_UNIX socket path."""
+AF_UNIX_MAX = 107
+
+
+def ray_temp_dir(given: str, cache: Path) -> Path:
+    """The temp folder of a new local Ray cluster (pure but for resolving paths): ``--ray.temp_dir``,
+    else ``<cache>/ray``, else, where that is too deep for Ray's socket paths (AF_UNIX allows 107
+    bytes; a checkout deep in the tree passed it and Ray died with a raw OSError), a folder of this
+    user's under the system's temp folder. A given folder too deep is a ConfigError naming the flag."""
+    def fits(path: Path) -> bool:
+        return len(str(path.resolve())) + RAY_SOCKET_SUFFIX <= AF_UNIX_MAX
+
+    if given:
+        if not fits(Path(given)):
+            raise ConfigError(f"--ray.temp_dir {given}: too long for Ray's socket paths (AF_UNIX allows "
+                              f"{AF_UNIX_MAX} bytes, Ray adds {RAY_SOCKET_SUFFIX}); use a shorter folder such as /tmp/ray")
+        return Path(given)
+    default = cache / "ray"
+    return default if fits(default) else Path(tempfile.gettempdir()) / f"treadle-ray-{os.getuid()}"
+
+
 def connect(ray_cfg: RayLaunch, need_cpus: float) -> bool:
     """``ray.init`` per ``--ray.address``; True when this call started a new local cluster."""
     if ray.is_initialized():
@@ -288,7 +311,7 @@ def connect(ray_cfg: RayLaunch, need_cpus: float) -> bool:
         with contextlib.suppress(ConnectionError):
             ray.init(address="auto", log_to_driver=True)
             return False
-    temp = Path(ray_cfg.temp_dir) if ray_cfg.temp_dir else Path(env.get("TREADLE_CACHE_DIR") or ".cache") / "ray"
+    temp = ray_temp_dir(ray_cfg.temp_dir, Path(env.get("TREADLE_CACHE_DIR") or ".cache"))
     temp.mkdir(parents=True, exist_ok=True)
     cpus = ray_cfg.num_cpus or max(os.cpu_count() or 1, math.ceil(need_cpus))
     # treadle moves no data through Ray's object store (weights go over gloo / NCCL): keep it small.
