@@ -179,7 +179,7 @@ SERVE_FLAGS = [
     "--engine.max_batch_samples", "--engine.max_lora_rank", "--engine.max_model_len", "--engine.max_num_seqs",
     "--engine.multiprocess",
     "--engine.no_enable_prefix_caching", "--engine.no_enable_sleep_mode", "--engine.no_enforce_eager",
-    "--engine.no_multiprocess", "--engine.seed", "--engines", "--gpu_ids", "--health_interval_s",
+    "--engine.no_multiprocess", "--engine.seed", "--engines", "--exit_with_pid", "--gpu_ids", "--health_interval_s",
     "--health_timeout_s", "--help", "--keep_weights", "--max_in_flight_samples", "--max_restarts",
     "--max_retries", "--metrics_host", "--metrics_open", "--metrics_port", "--model", "--no_cpu_bind", "--no_keep_weights", "--no_metrics_open",
     "--pipeline_parallel_size", "--route_timeout_s", "--run_dir", "--start_timeout_s", "--tensor_parallel_size", "-h",
