@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# One device call for the GPU benchmarks: install (vLLM pieces + treadle's wheels + EXTRA wheel folders), then PHASES:
+#   liger: the Liger GPU test, then bench_gpu_trainer 1.35B tuned / tuned_liger / tuned_eager / eager_liger (1 GPU)
+#   async: bench_grpo_vs_trl --staleness 1 --which both
+# Results under $OUT/r, tarred to $OUT/r.tgz (a call brings back few files).
+#   ligertest: the Liger GPU test (packages/trainer/tests/test_gpu.py -k liger)
+# EXTRA: wheel folders beside .cache/gpu_wheels, e.g. liger-kernel 0.8.5 and trl 1.16.0 fetched with
+# `pip download --no-deps --only-binary=:all: --python-version 3.12 ...` (device README); carry them too:
+#   run(command="EXTRA='.cache/liger .cache/trl' PHASES='ligertest liger async' bash tools/gpu_vllm/bench_run.sh",
+#       carry=[".gpu/p1", ".cache/gpu_wheels", ".cache/liger", ".cache/trl"])
+set -uo pipefail
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT/r"
+T0=$(date +%s); left() { echo $((${LIMIT:-580} - ($(date +%s) - T0))); }
+ts() { echo "[t+$(($(date +%s) - T0))s] $*"; }
+finish() { tar czf "$OUT/r.tgz" -C "$OUT" r; ts end; }
+trap finish EXIT
+if [ ! -f /tmp/treadle_gpu_site/.ok ]; then
+  ts install
+  TESTS=0 STAGES="" OUT=$OUT/r/inst LIMIT=200 bash tools/gpu_vllm/device_run.sh > "$OUT/r/install.log" 2>&1 || { tail -20 "$OUT/r/install.log"; exit 1; }
+  TREADLE_GPU_UNPACK_ONLY=1 bash tools/gpu_tests.sh ${EXTRA:-} >> "$OUT/r/install.log" 2>&1 || { tail -5 "$OUT/r/install.log"; exit 1; }
+  touch /tmp/treadle_gpu_site/.ok
+fi
+SITE=/tmp/treadle_gpu_site
+SRC=$PWD/packages/common/src:$PWD/packages/rollout/src:$PWD/packages/rewards/src:$PWD/packages/trainer/src:$PWD/packages/agents/src:$PWD/tools/testing
+export PYTHONPATH=$SRC:$SITE
+source tools/gpu_vllm/env.sh
+export TORCH_EXTENSIONS_DIR=/tmp/treadle_torch_ext TOKENIZERS_PARALLELISM=false OMP_NUM_THREADS=4 PATH=$SITE/bin:$PATH
+ts "installed; python $(python3 -c 'import torch, transformers; print(torch.__version__, transformers.__version__)')"
+for ph in ${PHASES:-liger}; do
+  case $ph in
+    ligertest)
+      ts "liger test"
+      timeout 150 python3 -m pytest -q -m gpu -p no:randomly -p no:cacheprovider packages/trainer/tests/test_gpu.py -k liger -rA > "$OUT/r/liger_test.log" 2>&1
+      echo "rc=$?"; tail -5 "$OUT/r/liger_test.log" ;;
+    liger)
+      ts "liger sweep ($(left) s left)"
+      timeout $(( $(left) - 15 )) python3 tools/bench/bench_gpu_trainer.py --nproc 1 \
+        --sweep "${SWEEP:-1.35b:tuned,1.35b:tuned_liger,1.35b:tuned_eager,1.35b:eager_liger}" \
+        --deadline-s $(( $(left) - 25 )) --json "$OUT/r/liger.json" --log "$OUT/r/liger.log" 2>&1 | tail -30 ;;
+    async)
+      ts "async bench ($(left) s left)"
+      timeout $(( $(left) - 15 )) python3 tools/bench/bench_grpo_vs_trl.py --device cuda --preset qwen0.5b \
+        --prompts-per-step 32 --group-size 8 --max-new-tokens 256 --micro-batch 32 --steps 4 --warmup-steps 1 \
+        --staleness 1 --which ${WHICH:-both} --json "$OUT/r/async.json" > "$OUT/r/async.log" 2>&1
+      echo "rc=$?"; grep -v "^\s*$" "$OUT/r/async.log" | tail -40 ;;
+  esac
+done
