@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call for the GPU benchmarks: install (vLLM pieces + treadle's wheels + EXTRA wheel folders), then PHASES:
-#   liger: the Liger GPU test, then bench_gpu_trainer 1.35B tuned / tuned_liger / tuned_eager / eager_liger (1 GPU)
+#   liger: bench_gpu_trainer 1.35B tuned / tuned_liger / tuned_eager / eager_liger (1 GPU)
 #   async: bench_grpo_vs_trl --staleness 1 --which both
 # Results under $OUT/r, tarred to $OUT/r.tgz (a call brings back few files).
 #   ligertest: the Liger GPU test (packages/trainer/tests/test_gpu.py -k liger)
