@@ -58,11 +58,14 @@ def test_layers_compile_by_default_for_zero3_on_cuda_only_and_not_with_untried_f
     assert compiles_layers(z3, "cuda", model) and not compiles_layers(z3, "cpu", model)
     assert not compiles_layers(DeepSpeedConfig(zero_stage=2), "cuda", model)
     for untried in (dict(lora=LoraConfig(rank=8)), dict(ring_attn_size=2, packing_samples=True),
-                    dict(tensor_parallel_size=2), dict(param_offload=True)):
+                    dict(tensor_parallel_size=2), dict(param_offload=True), dict(use_liger_kernel=True)):
         assert not compiles_layers(DeepSpeedConfig(zero_stage=3, **untried), "cuda", model), untried
     assert not compiles_layers(z3, "cuda", torch.nn.Sequential(torch.nn.Linear(2, 2)))  # no layer classes
     assert compiles_layers(DeepSpeedConfig(zero_stage=2, compile_layers=True), "cpu", model)  # asked for
     assert not compiles_layers(DeepSpeedConfig(zero_stage=3, compile_layers=False), "cuda", model)
+    # compiled layers around Liger's kernels crashed on an H200 (docs/benchmarks.md): refused together
+    with pytest.raises(ConfigError, match=r"--compile_layers with --use_liger_kernel: .*illegal memory access"):
+        DeepSpeedConfig(zero_stage=3, compile_layers=True, use_liger_kernel=True)
 
 
 def test_layers_whose_compile_fails_run_eagerly_after_one_warning(monkeypatch, caplog):

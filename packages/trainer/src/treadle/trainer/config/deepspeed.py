@@ -72,7 +72,7 @@ class DeepSpeedConfig:
     released and gathered again (DeepSpeed's default); above the model's size, the forward's
     gathers serve the backward too."""
     compile_layers: bool | None = None
-    """torch.compile each decoder layer's forward (ZeRO-3 gathers each layer whole: DeepSpeed leaf modules; eager again for all layers if compiling fails); None: on for ZeRO-3 training on CUDA (the 1.35B step 37% faster on 2xH200), off on CPU and with LoRA, ring attention, AutoTP, 4-bit weights, parameter offload or deepcompile (untested together)."""
+    """torch.compile each decoder layer's forward (ZeRO-3 gathers each layer whole: DeepSpeed leaf modules; eager again for all layers if compiling fails); None: on for ZeRO-3 training on CUDA (the 1.35B step 37% faster on 2xH200), off on CPU and with LoRA, ring attention, AutoTP, 4-bit weights, parameter offload or deepcompile (untested together), and with Liger's kernels (refused together: they crashed)."""
     deepcompile: bool = False
     """Compile the model with DeepSpeed's deepcompile (CUDA and ZeRO stage 1-3 only)."""
     enable_sleep: bool = False
@@ -116,6 +116,10 @@ class DeepSpeedConfig:
                 raise ConfigError(f"--{name} must be >= 0, got {getattr(self, name)}")
         if self.compile_layers and self.deepcompile:
             raise ConfigError("--compile_layers and --deepcompile both compile the model; pick one")
+        if self.compile_layers and self.use_liger_kernel:
+            raise ConfigError("--compile_layers with --use_liger_kernel: compiled layers around Liger's Triton kernels "
+                              "died of a CUDA illegal memory access on an H200 (docs/benchmarks.md, Liger); pick one "
+                              "(compiled layers measured 5% faster)")
         if self.param_offload and self.zero_stage != 3:
             raise ConfigError(f"--param_offload needs --zero_stage 3, got {self.zero_stage}")
         if not self.value_head_prefix.isidentifier():

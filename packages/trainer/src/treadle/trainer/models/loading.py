@@ -152,11 +152,23 @@ def check_liger(paths: list[str], *, cuda: bool | None = None) -> None:
 
 
 def apply_liger(model: torch.nn.Module) -> None:
-    """Patch Liger's kernels (``LIGER_KERNELS``) into the loaded ``model`` (its class's module too:
-    Liger swaps the RoPE function module-wide)."""
+    """Patch Liger's kernels (``LIGER_KERNELS``) into the loaded ``model``: its norms' and MLPs'
+    forwards (the instances only), and the RoPE function of its modeling module (module-wide:
+    Liger has no per-instance RoPE; the same math, so a later model without Liger is unaffected in
+    value). Liger also swaps the module's norm and MLP classes, which would patch every model
+    loaded afterwards, with or without the flag: those class names are put back."""
+    import inspect  # noqa: PLC0415
+
     from liger_kernel.transformers.monkey_patch import _apply_liger_kernel_to_instance  # noqa: PLC0415
 
-    _apply_liger_kernel_to_instance(model=model, **LIGER_KERNELS)
+    module = inspect.getmodule(type(model))
+    classes = {k: v for k, v in vars(module).items() if inspect.isclass(v)} if module is not None else {}
+    try:
+        _apply_liger_kernel_to_instance(model=model, **LIGER_KERNELS)
+    finally:
+        for name, cls in classes.items():
+            if getattr(module, name, cls) is not cls:
+                setattr(module, name, cls)
 
 
 def prepare(model: torch.nn.Module, ds: DeepSpeedConfig, *, trainable: bool, gradient_checkpointing: bool,

@@ -266,11 +266,12 @@ def compiles_layers(ds: DeepSpeedConfig, accelerator: str, model: torch.nn.Modul
     """Whether ``build_engine`` compiles ``model``'s decoder layers: ``--ds.compile_layers`` where
     given; unset, for ZeRO-3 on CUDA (measured there: docs/benchmarks.md, "GPU trainer
     throughput") unless LoRA, ring attention, AutoTP, 4-bit weights, parameter offload or
-    deepcompile is on (never tried together), and only for models with decoder-layer classes."""
+    deepcompile is on (never tried together) or Liger's kernels are (compiled around them, the
+    step died of an illegal memory access on an H200), and only for models with decoder-layer classes."""
     if ds.compile_layers is not None:
         return ds.compile_layers
     untried = (ds.lora.rank > 0 or ds.ring_attn_size > 1 or ds.tensor_parallel_size > 1 or ds.load_in_4bit
-               or ds.param_offload or ds.deepcompile)
+               or ds.param_offload or ds.deepcompile or ds.use_liger_kernel)
     return accelerator == "cuda" and ds.zero_stage == 3 and not untried and bool(decoder_layers(model))
 
 
