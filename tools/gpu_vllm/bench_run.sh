@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call for the GPU benchmarks: install (vLLM pieces + treadle's wheels + EXTRA wheel folders), then PHASES:
-#   liger: bench_gpu_trainer 1.35B tuned / tuned_liger / tuned_eager / eager_liger (1 GPU)
+#   liger: bench_gpu_trainer 1.35B tuned / tuned_eager / eager_liger (1 GPU)
 #   async: bench_grpo_vs_trl --staleness 1 --which both
 # Results under $OUT/r, tarred to $OUT/r.tgz (a call brings back few files).
 #   ligertest: the Liger GPU test (packages/trainer/tests/test_gpu.py -k liger)
@@ -35,7 +35,7 @@ for ph in ${PHASES:-liger}; do
     liger)
       ts "liger sweep ($(left) s left)"
       timeout $(( $(left) - 15 )) python3 tools/bench/bench_gpu_trainer.py --nproc 1 \
-        --sweep "${SWEEP:-1.35b:tuned,1.35b:tuned_liger,1.35b:tuned_eager,1.35b:eager_liger}" \
+        --sweep "${SWEEP:-1.35b:tuned,1.35b:tuned_eager,1.35b:eager_liger}" \
         --deadline-s $(( $(left) - 25 )) --json "$OUT/r/liger.json" --log "$OUT/r/liger.log" 2>&1 | tail -30 ;;
     async)
       ts "async bench ($(left) s left)"
