@@ -4,6 +4,7 @@
 #   async: bench_grpo_vs_trl --staleness 1 --which both
 # Results under $OUT/r, tarred to $OUT/r.tgz (a call brings back few files).
 #   ligertest: the Liger GPU test (packages/trainer/tests/test_gpu.py -k liger)
+#   vllmsuite: the vLLM backend's GPU tests (TREADLE_GPU_SUITE=vllm bash tools/gpu_tests.sh)
 # EXTRA: wheel folders beside .cache/gpu_wheels, e.g. liger-kernel 0.8.5 and trl 1.16.0 fetched with
 # `pip download --no-deps --only-binary=:all: --python-version 3.12 ...` (device README); carry them too:
 #   run(command="EXTRA='.cache/liger .cache/trl' PHASES='ligertest liger async' bash tools/gpu_vllm/bench_run.sh",
@@ -32,6 +33,10 @@ for ph in ${PHASES:-liger}; do
       ts "liger test"
       timeout 150 python3 -m pytest -q -m gpu -p no:randomly -p no:cacheprovider packages/trainer/tests/test_gpu.py -k liger -rA > "$OUT/r/liger_test.log" 2>&1
       echo "rc=$?"; tail -5 "$OUT/r/liger_test.log" ;;
+    vllmsuite)
+      ts "vllm suite ($(left) s left)"
+      TREADLE_GPU_SUITE=vllm TREADLE_GPU_PYTEST_ARGS=-rA timeout $(( $(left) - 15 )) bash tools/gpu_tests.sh > "$OUT/r/vllm_suite.log" 2>&1
+      echo "rc=$?"; grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed" "$OUT/r/vllm_suite.log" | tail -40 ;;
     liger)
       ts "liger sweep ($(left) s left)"
       timeout $(( $(left) - 15 )) python3 tools/bench/bench_gpu_trainer.py --nproc 1 \
