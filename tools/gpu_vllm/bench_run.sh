@@ -5,6 +5,7 @@
 # Results under $OUT/r, tarred to $OUT/r.tgz (a call brings back few files).
 #   ligertest: the Liger GPU test (packages/trainer/tests/test_gpu.py -k liger)
 #   vllmsuite: the vLLM backend's GPU tests (TREADLE_GPU_SUITE=vllm bash tools/gpu_tests.sh)
+#   pytest: `pytest -m gpu $PYTEST_ARGS` (e.g. PYTEST_ARGS='packages/trainer/tests/test_ppo.py -k adapters')
 # EXTRA: wheel folders beside .cache/gpu_wheels, e.g. liger-kernel 0.8.5 and trl 1.16.0 fetched with
 # `pip download --no-deps --only-binary=:all: --python-version 3.12 ...` (device README); carry them too:
 #   run(command="EXTRA='.cache/liger .cache/trl' PHASES='ligertest liger async' bash tools/gpu_vllm/bench_run.sh",
@@ -37,6 +38,13 @@ for ph in ${PHASES:-liger}; do
       ts "vllm suite ($(left) s left)"
       TREADLE_GPU_SUITE=vllm TREADLE_GPU_PYTEST_ARGS=-rA timeout $(( $(left) - 15 )) bash tools/gpu_tests.sh > "$OUT/r/vllm_suite.log" 2>&1
       echo "rc=$?"; grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed" "$OUT/r/vllm_suite.log" | tail -40 ;;
+    pytest)
+      ts "pytest $PYTEST_ARGS ($(left) s left)"
+      export TRITON_F32_DEFAULT=ieee  # as gpu_tests.sh: the fp32 tests need IEEE matmuls in vLLM's Triton kernels
+      # shellcheck disable=SC2086 # pytest words
+      timeout $(( $(left) - 15 )) python3 -m pytest -q -m gpu -p no:randomly -p no:cacheprovider -rA $PYTEST_ARGS ${PYTEST_K:+-k "$PYTEST_K"} \
+        > "$OUT/r/pytest.log" 2>&1
+      echo "rc=$?"; grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed|Error" "$OUT/r/pytest.log" | tail -30 ;;
     liger)
       ts "liger sweep ($(left) s left)"
       timeout $(( $(left) - 15 )) python3 tools/bench/bench_gpu_trainer.py --nproc 1 \

@@ -10,6 +10,7 @@ import sys
 import numpy as np
 import pytest
 
+from treadle.common.config import ConfigError
 from treadle.common.records import GenerateRequest, SamplingParams
 from treadle.rollout.engine import ENGINES
 
@@ -46,6 +47,11 @@ def test_vllm_engine_args_apply_cpu_rules():
     assert "enable_chunked_prefill" not in gpu and "kv_cache_memory_bytes" not in gpu
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         VllmEngineConfig(model="m", max_model_len=4096, max_num_batched_tokens=1024, enable_chunked_prefill=False)
+    # LoRA in fp32: vLLM's CPU build serves it, its GPU kernels assert fp16 / bf16 at the first forward
+    lora = VllmEngineConfig(model="m", dtype="float32", max_lora_rank=8)
+    assert engine_args(lora, on_cpu=True)["enable_lora"] is True
+    with pytest.raises(ConfigError, match="--engine.dtype float32"):
+        engine_args(lora, on_cpu=False)
 
 
 def test_vllm_sleep_on_cpu_says_it_only_pauses(vllm_engine):

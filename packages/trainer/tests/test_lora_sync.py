@@ -174,3 +174,17 @@ def test_a_lora_ppo_run_syncs_adapters_to_vllm(tiny, task, helpers, tmp_path):
     # the adapter alone went (tiny, rank 8: 14 modules x 8 x (in + out) fp32 <= 70 KB; the merged model: 430 KB)
     assert all(r["sync/bytes"] < 100_000 for r in rows)
     assert (tmp_path / "model" / "adapter" / "adapter_model.safetensors").is_file()
+
+
+def test_adapters_into_an_fp32_vllm_daemon_on_a_gpu_are_refused_before_anything_loads():
+    """vLLM's GPU LoRA kernels take fp16 / bf16 only (measured: its engine died at its first
+    forward); the trainer refuses that pair at start-up, where it knows it is on CUDA."""
+    from treadle.trainer.config import parse_ppo
+    from treadle.trainer.trainers.ppo_build import sync_route
+
+    argv = [*cli.ppo_argv(), "--vllm.sync_adapters", "--ds.lora.rank", "8", "--vllm.backend", "vllm"]
+    cfg = parse_ppo([*argv, "--ds.param_dtype", "fp32"])
+    with pytest.raises(ConfigError, match="--ds.param_dtype fp32"):
+        sync_route(cfg, cuda=True)
+    assert sync_route(cfg, cuda=False) == ("collective", "gloo")  # vLLM's CPU build serves fp32 LoRA
+    sync_route(parse_ppo([*argv, "--ds.param_dtype", "bf16"]), cuda=True)  # bf16: served

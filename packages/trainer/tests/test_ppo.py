@@ -14,6 +14,7 @@ the response, which a randomly initialised model already hits now and then, so G
 from __future__ import annotations
 
 import json
+import math
 import signal
 import subprocess
 import sys
@@ -344,3 +345,29 @@ def test_ppo_on_one_gpu_with_an_engine_on_that_gpu(sync, own_daemon, tiny, task,
     if "--ds.enable_sleep" in (own_daemon or ()):  # the trainer gave its GPU memory up while the engine generated
         held = [(r["sleep/gpu_gib_before"], r["sleep/gpu_gib_after"]) for r in rows]
         assert all(after < before for before, after in held), held
+
+
+@pytest.mark.gpu
+def test_ppo_on_one_gpu_sends_only_the_lora_adapter_into_vllm_over_cuda_ipc(tiny, task, helpers, tmp_path):
+    """``--vllm.sync_adapters`` on the GPU: vLLM (on the trainer's GPU) serves its own base model
+    with the adapter each step sends over CUDA IPC (its workers stage the adapter from the
+    sender's buckets, ``treadle_save_ipc``). bf16 on both sides: vLLM's LoRA kernels take no fp32
+    (refused at parse time, ``test_lora_sync``). The engine samples from the trainer's policy
+    within bf16's tolerance, and a sync is the adapter's bytes, not the model's."""
+    import torch
+    from safetensors import safe_open
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    args = ppo_args(tiny, task, tmp_path, "", "--data.max_samples", "12", "--algo.kl.init_coef", "0.01",
+                    "--vllm.sync_backend", "cuda_ipc", "--ds.lora.rank", "8", "--vllm.sync_adapters")
+    del args[args.index("--vllm.endpoint"):args.index("--vllm.endpoint") + 2]
+    args[args.index("--ds.param_dtype") + 1] = "bf16"
+    run_ppo([*args, *OWN_VLLM], helpers)
+    rows = metrics(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert rows[2]["version"] == rows[0]["version"] + 2
+    assert all(r["logprob_gap/mean"] <= 0.05 for r in rows), [r["logprob_gap/mean"] for r in rows]
+    with safe_open(str(tiny / "model.safetensors"), "pt") as f:
+        model_bytes = sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys()) * 2  # in bf16  # noqa: SIM118 (safe_open has no __iter__)
+    assert all(0 < r["sync/bytes"] * 4 < model_bytes for r in rows), ([r["sync/bytes"] for r in rows], model_bytes)

@@ -43,6 +43,7 @@ from typing import Any, Literal
 import msgspec
 import numpy as np
 
+from treadle.common.config import ConfigError
 from treadle.common.env import scoped_environ
 from treadle.common.errors import BadRequest, EngineDead
 from treadle.common.ipc import IpcHandleError
@@ -144,6 +145,10 @@ def engine_args(cfg: VllmEngineConfig, on_cpu: bool) -> dict[str, Any]:
         skip_tokenizer_init=True, generation_config="vllm", disable_log_stats=False,
     )
     if cfg.max_lora_rank > 0:  # one adapter at a time: the policy's current one
+        if cfg.dtype == "float32" and not on_cpu:
+            raise ConfigError(f"--engine.max_lora_rank {cfg.max_lora_rank} with --engine.dtype float32: vLLM's LoRA "
+                              "kernels on GPU take only float16 / bfloat16 (the engine would fail at its first "
+                              "forward); serve bfloat16, or leave --engine.max_lora_rank at 0")
         args.update(enable_lora=True, max_lora_rank=cfg.max_lora_rank, max_loras=1)
     return {k: v for k, v in args.items() if v is not None}
 

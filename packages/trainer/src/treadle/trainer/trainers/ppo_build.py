@@ -367,6 +367,11 @@ def sync_route(cfg: PPOConfig, *, cuda: bool) -> tuple[str, str]:
     config decides is refused at parse time (``config.commands``), what needs CUDA here. cuda_ipc:
     engines on rank 0's GPU copy out of its packed buckets."""
     backend = cfg.vllm.sync_backend
+    v = cfg.vllm
+    if cuda and v.sync_adapters and v.backend == "vllm" and v.endpoint is None and cfg.ds.param_dtype == "fp32":
+        raise ConfigError("--vllm.sync_adapters with --ds.param_dtype fp32: the daemon this trainer starts serves "
+                          "fp32 on its GPU, and vLLM's LoRA kernels take only fp16 / bf16 (its engine would fail to "
+                          "start); use --ds.param_dtype bf16, or drop --vllm.sync_adapters (merged weights are sent)")
     if backend == "cuda_ipc":
         if not cuda:
             raise ConfigError("--vllm.sync_backend cuda_ipc shares GPU memory: it needs CUDA (on CPU, gloo)")
