@@ -2,13 +2,13 @@
 # One device call for the GPU benchmarks: install (vLLM pieces + treadle's wheels + EXTRA wheel folders), then PHASES:
 #   liger: bench_gpu_trainer 1.35B tuned / tuned_eager / eager_liger (1 GPU)
 #   async: bench_grpo_vs_trl --staleness 1 --which both
-# Results under $OUT/r, tarred to $OUT/r.tgz (a call brings back few files).
-#   ligertest: the Liger GPU test (packages/trainer/tests/test_gpu.py -k liger)
 #   vllmsuite: the vLLM backend's GPU tests (TREADLE_GPU_SUITE=vllm bash tools/gpu_tests.sh)
-#   pytest: `pytest -m gpu $PYTEST_ARGS` (e.g. PYTEST_ARGS='packages/trainer/tests/test_ppo.py -k adapters')
+#   pytest: `pytest -m gpu $PYTEST_ARGS -k "$PYTEST_K"`, e.g. the Liger GPU test:
+#     PYTEST_ARGS=packages/trainer/tests/test_gpu.py PYTEST_K=liger
+# Results under $OUT/r, tarred to $OUT/r.tgz (a call brings back few files).
 # EXTRA: wheel folders beside .cache/gpu_wheels, e.g. liger-kernel 0.8.5 and trl 1.16.0 fetched with
 # `pip download --no-deps --only-binary=:all: --python-version 3.12 ...` (device README); carry them too:
-#   run(command="EXTRA='.cache/liger .cache/trl' PHASES='ligertest liger async' bash tools/gpu_vllm/bench_run.sh",
+#   run(command="EXTRA='.cache/liger .cache/trl' PHASES='liger async' bash tools/gpu_vllm/bench_run.sh",
 #       carry=[".gpu/p1", ".cache/gpu_wheels", ".cache/liger", ".cache/trl"])
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT/r"
@@ -30,10 +30,6 @@ export TORCH_EXTENSIONS_DIR=/tmp/treadle_torch_ext TOKENIZERS_PARALLELISM=false 
 ts "installed; python $(python3 -c 'import torch, transformers; print(torch.__version__, transformers.__version__)')"
 for ph in ${PHASES:-liger}; do
   case $ph in
-    ligertest)
-      ts "liger test"
-      timeout 150 python3 -m pytest -q -m gpu -p no:randomly -p no:cacheprovider packages/trainer/tests/test_gpu.py -k liger -rA > "$OUT/r/liger_test.log" 2>&1
-      echo "rc=$?"; tail -5 "$OUT/r/liger_test.log" ;;
     vllmsuite)
       ts "vllm suite ($(left) s left)"
       TREADLE_GPU_SUITE=vllm TREADLE_GPU_PYTEST_ARGS=-rA timeout $(( $(left) - 15 )) bash tools/gpu_tests.sh > "$OUT/r/vllm_suite.log" 2>&1

@@ -352,7 +352,7 @@ def test_ppo_on_one_gpu_sends_only_the_lora_adapter_into_vllm_over_cuda_ipc(tiny
     """``--vllm.sync_adapters`` on the GPU: vLLM (on the trainer's GPU) serves its own base model
     with the adapter each step sends over CUDA IPC (its workers stage the adapter from the
     sender's buckets, ``treadle_save_ipc``). bf16 on both sides: vLLM's LoRA kernels take no fp32
-    (refused at parse time, ``test_lora_sync``). The engine samples from the trainer's policy
+    (refused at start-up, ``test_lora_sync``). The engine samples from the trainer's policy
     within bf16's tolerance, and a sync is the adapter's bytes, not the model's."""
     import torch
     from safetensors import safe_open
