@@ -96,10 +96,27 @@ def test_bundles_are_one_per_trainer_node_with_the_labels_asked_for():
     (["--backend", "ray", "--trainer.nodes", "2", "--trainer.ranks", "2", "--", "rollout", "--", "ppo", *PPO,
       "--reward.remote_url", "math", "--actor.num_gpus_per_node", "2", "--train.colocate_all",
       "--vllm.num_engines", "4"], "colocate_all with --trainer.nodes 2"),
+    (["--backend", "ray", "--rollout.num_gpus", "2", "--", "rollout", "--engine_placement", "ray", "--", "ppo", *PPO,
+      "--reward.remote_url", "math"], "each engine reserves its own GPUs"),
+    (["--backend", "ray", "--", "rollout", "--engine_placement", "ray", "--", "ppo", *PPO, "--reward.remote_url",
+      "math", "--train.colocate_all", "--vllm.num_engines", "1"], "colocate_all puts the engines on the trainer's GPUs"),
 ])
 def test_what_cannot_be_placed_is_refused_at_parse_time(argv, message):
     with pytest.raises(ConfigError, match=message):
         plan_of(*argv)
+
+
+def test_ray_placed_engines_leave_the_daemons_bundle_with_the_front_end_only():
+    from treadle.integration.ray_backend import rollout_gpu_flags
+
+    plan = plan_of("--backend", "ray", "--rollout.node_labels", "role=daemons", "--", "rollout", "--engine_placement",
+                   "ray", "--ray.num_gpus_per_rank", "1", "--ray.node_labels", "role=engines", "--", "ppo", *PPO,
+                   "--reward.remote_url", "math")
+    bundles, index, _ = bundles_of(plan)
+    assert bundles[index["rollout"]] == {"CPU": 1.0} and plan.daemon("rollout").ray_engines
+    assert selectors_of(plan)[index["rollout"]] == {"role": "daemons"}  # the engines' labels are the daemon's flag
+    assert rollout_gpu_flags(plan, {"rollout": {"gpu_ids": ["0"]}, "trainer": {"gpu_ids": ["1"]}}) == []
+    assert flag_value(plan.daemon("rollout").args[1:], "--ray.node_labels") == "role=engines"
 
 
 def test_a_daemon_bound_off_loopback_gets_the_runs_keys_and_token():
@@ -131,9 +148,9 @@ def test_a_daemon_bound_off_loopback_gets_the_runs_keys_and_token():
 
 
 @contextlib.contextmanager
-def _three_nodes():
-    """A Ray cluster of head + 2 nodes (``ray.cluster_utils.Cluster``): two labelled role=trainer
-    (1 CPU each: one trainer node's bundle fits on each), one role=engines (2 CPUs: both daemons).
+def _cluster(head: dict, *workers: dict, system_config: dict | None = None):
+    """A Ray cluster on this machine (``ray.cluster_utils.Cluster``): the head with ``head``'s
+    num_cpus / labels, one node per ``workers`` item; yields (cluster, its nodes, RAY_TMPDIR).
 
     RAY_TMPDIR points at a folder of its own, so the cluster's address file (which `ray.init()`
     without an address reads) is not the machine's: no other Ray user here finds this cluster.
@@ -146,16 +163,25 @@ def _three_nodes():
         for name, value in (("RAY_TMPDIR", str(tmp)), ("RAY_USAGE_STATS_ENABLED", "0"),
                             ("RAY_AUTH_MODE", "disabled"), ("OMP_NUM_THREADS", "1")):
             mp.setenv(name, value)
+        extra = {"_system_config": system_config} if system_config else {}
         cluster = Cluster(initialize_head=True, head_node_args={
-            "num_cpus": 1, "labels": {"role": "trainer"}, "include_dashboard": False, "temp_dir": str(tmp / "ray")})
+            **head, "include_dashboard": False, "temp_dir": str(tmp / "ray"), **extra})
         try:
-            nodes = {"head": cluster.head_node, "trainer": cluster.add_node(num_cpus=1, labels={"role": "trainer"}),
-                     "engines": cluster.add_node(num_cpus=2, labels={"role": "engines"})}
-            yield cluster, {k: n.node_id for k, n in nodes.items()}, tmp
+            nodes = [cluster.head_node, *(cluster.add_node(**w) for w in workers)]
+            yield cluster, nodes, tmp
         finally:
             with contextlib.suppress(Exception):
                 cluster.shutdown()
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _three_nodes():
+    """Head + 2 nodes: two labelled role=trainer (1 CPU each: one trainer node's bundle fits on
+    each), one role=engines (2 CPUs: both daemons)."""
+    trainer, engines = {"num_cpus": 1, "labels": {"role": "trainer"}}, {"num_cpus": 2, "labels": {"role": "engines"}}
+    with _cluster(trainer, trainer, engines) as (cluster, nodes, tmp):
+        yield cluster, {k: n.node_id for k, n in zip(("head", "trainer", "engines"), nodes, strict=True)}, tmp
 
 
 @pytest.fixture(scope="module")
@@ -409,4 +435,81 @@ def test_losing_the_engines_node_with_max_restarts_resumes_from_the_checkpoint_o
         pending = tl.recover(3).pending
     used = [u for step in sorted(lineage) for u in lineage[step]]
     assert sorted(lineage) == [1, 2, 3] and len(used) == 3 * 8
+    assert len(set(used)) == len(used) and not pending
+
+
+@pytest.mark.slow
+def test_engines_as_ray_actors_on_two_nodes_survive_losing_one_mid_round(tiny, task, helpers, tmp_path):
+    """``-- rollout --engine_placement ray``: the daemon on a role=daemons node, its two engines
+    Ray actors on the two role=engines nodes. While engine e0 has samples in flight (seen in the
+    daemon's stats, asked over CURVE with the run's keys), its node is removed (its raylet and
+    every process of it killed) and a new one added: the run goes on without a restart, e0's
+    samples fail over to e1, the slot's replacement starts on the new node, catches up to the
+    current weights and takes the next syncs, and every trajectory is trained once."""
+    import re
+    import threading
+    import time
+
+    from treadle.common.rpc import load_client_keys
+    from treadle.rollout.client import SyncRolloutClient
+    from treadle.trainer.rl.trajlog import TrajectoryLog
+
+    trainer = {"num_cpus": 1, "labels": {"role": "trainer"}}
+    engines = {"num_cpus": 1, "labels": {"role": "engines"}}
+    fast_death = {"health_check_period_ms": 1000, "health_check_failure_threshold": 3}
+    steps = 16
+    with _cluster(trainer, trainer, {"num_cpus": 2, "labels": {"role": "daemons"}}, engines, engines,
+                  system_config=fast_death) as (cluster, nodes, ray_tmp):
+        engine_nodes = {n.node_id: n for n in nodes[3:]}
+        run, ckpt = tmp_path / "run", tmp_path / "ckpt"
+        args = ["--backend", "ray", "--ray.address", cluster.address, "--run_dir", str(run),
+                "--trainer.nodes", "2", "--trainer.node_labels", "role=trainer",
+                "--rollout.node_labels", "role=daemons", "--rewards.node_labels", "role=daemons",
+                "--", "rollout", "--engine_placement", "ray", "--ray.node_labels", "role=engines",
+                "--", "rewards", "--functions", str(task.reward), "--workers.num_workers", "1",
+                "--", "ppo", *_ppo_zero3(helpers, tiny, task, tmp_path), "--data.max_samples", str(2 * steps),
+                "--rollout.max_new_tokens", "128"]  # long enough responses that a round is caught in flight
+        proc = helpers.launch(args, env=helpers.child_env(TREADLE_LOG_JSON="1", RAY_TMPDIR=str(ray_tmp)))
+        out: list[str] = []  # the engines' output reaches the launcher (Ray's log_to_driver): drain it
+        drain = threading.Thread(target=lambda: out.extend(proc.stdout), daemon=True)
+        drain.start()
+        metrics = ckpt / "metrics.jsonl"
+        helpers.wait_for(lambda: metrics.is_file() and metrics.read_text().strip(), 600, proc, "step 1")
+        placed = dict(re.findall(r"engine (e\d+): worker \d+ on Ray node (\w+)", (run / "rollout.log").read_text()))
+        assert set(placed.values()) == set(engine_nodes), placed  # one engine on each engines node
+        record = helpers.run_json(run)
+        rc = SyncRolloutClient(record["addresses"]["rollout"], curve=load_client_keys(record["keys"]))
+        try:
+            def e0(stats):
+                return next(e for e in stats["engines"] if e["engine_id"] == "e0")
+
+            helpers.wait_for(lambda: e0(rc.stats())["load"] > 0, 120, proc, "samples in flight on e0")
+            cluster.remove_node(engine_nodes[placed["e0"]], allow_graceful=False)
+            lost_at = len(metrics.read_text().splitlines())
+            time.sleep(2.0)
+            fresh = cluster.add_node(**engines)
+            back = helpers.wait_for(lambda: (s := rc.stats()) and e0(s)["restarts"] == 1 and e0(s)["state"] == "ready"
+                                    and s, 180, proc, "e0 back on the new node")
+        finally:
+            rc.close()
+        assert proc.wait(600) == 0, "".join(out)[-6000:]
+        drain.join(10)
+
+    print(f"e0's node removed after step {lost_at}; e0 back at version {e0(back)['version']} (pool "
+          f"{back['version']}); failovers {back['failovers']}")
+    assert back["failovers"] > 0 and e0(back)["version"] == back["version"]
+    assert lost_at < steps, "the run ended before e0 came back: nothing after the loss was checked"
+    record = helpers.run_json(run)
+    assert record.get("attempt", 1) == 1 and record["exit_code"] == 0  # no restart of the run
+    log = (run / "rollout.log").read_text()
+    assert "its Ray actor died" in log, log[-4000:]
+    assert re.search(rf"engine e0: worker \d+ on Ray node {fresh.node_id}", log), log[-4000:]  # the replacement
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    assert _log_records(run / "trainer.log", "weights sent")[-1]["updated"] == ["e0", "e1"]  # both again, at the end
+    with TrajectoryLog(ckpt / "trajectories") as tl:
+        lineage = tl.lineage(steps)
+        pending = tl.recover(steps).pending
+    used = [u for step in sorted(lineage) for u in lineage[step]]
+    assert sorted(lineage) == list(range(1, steps + 1)) and len(used) == steps * 8
     assert len(set(used)) == len(used) and not pending

@@ -21,6 +21,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -287,6 +288,38 @@ def test_stale_group_is_rejoined_and_the_update_resent(daemon, model_b):
         daemon.client.leave_weight_group()  # as after a daemon restart: no group at all
         assert s.sync(v + 3).updated == ["e0"] and counting.joins == 4
     assert daemon.client.health()["version"] == v + 3
+
+
+class KillingClient(CountingClient):
+    """Kills the daemon's only engine (SIGKILL) right before the first weight update reaches the
+    daemon, and waits until the daemon has seen it go: that sync finds no engine to take it."""
+
+    def __init__(self, client: Any) -> None:
+        super().__init__(client)
+        self.killed = False
+
+    def submit(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        if name == "update_weights" and not self.killed:
+            self.killed = True
+            pid = self.client.stats()["engines"][0]["pid"]
+            os.kill(pid, signal.SIGKILL)
+            deadline = time.monotonic() + 30
+            while self.client.health()["engines_ready"] and time.monotonic() < deadline:
+                time.sleep(0.05)
+        return self.client.submit(name, *args, **kwargs)
+
+
+def test_a_sync_that_finds_no_engine_waits_for_one_and_sends_again(daemon, model_b):
+    """The one engine dies as the update arrives (a node lost mid-sync): the sync does not fail
+    the run; it waits until the restarted engine is ready, rejoins and delivers the weights."""
+    model, killing = causal_lm(model_b), KillingClient(daemon.client)
+    v = daemon.next_version()
+    with sender(model, killing, bucket_bytes=64 << 10) as s:
+        report = s.sync(v)
+    # joins: the first group; its rejoin (stale: e0 left), refused with no engine up; the retry's
+    assert killing.killed and report.updated == ["e0"] and killing.joins == 3
+    arrived(daemon, model)
+    assert daemon.client.health()["version"] == v
 
 
 def test_a_released_sender_holds_no_buffers_and_sends_whole_weights_again(daemon, model_b):

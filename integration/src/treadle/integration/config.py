@@ -29,7 +29,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Literal
 
-from treadle.common.config import ConfigError, configclass, parse, validate
+from treadle.common.config import ConfigError, configclass, label_selector, parse, validate
 
 Backend = Literal["local", "ray"]
 TrainerCommand = Literal["ppo", "sft", "rm", "dpo", "kto"]
@@ -43,26 +43,6 @@ def _check_resources(cpus: float, gpus: int) -> None:
         raise ConfigError(f"--num_cpus must be > 0, got {cpus}")
     if gpus < 0:
         raise ConfigError(f"--num_gpus must be >= 0, got {gpus}")
-
-
-def label_selector(labels: Sequence[str]) -> dict[str, str]:
-    """``("role=trainer", "zone=!b")`` -> ``{"role": "trainer", "zone": "!b"}``: a Ray label selector
-    (``bundle_label_selector``), matched against the labels nodes got from ``ray start --labels``.
-
-    Values are Ray's selector syntax, passed on as they are: ``v`` (equal), ``!v`` (not equal),
-    ``in(a,b)``, ``!in(a,b)``. ConfigError for an item that is not KEY=VALUE or a key given twice.
-    """
-    out: dict[str, str] = {}
-    for item in labels:
-        key, eq, value = item.partition("=")
-        if not eq or not key.strip() or not value.strip():
-            raise ConfigError(f"--node_labels {item!r}: each label is KEY=VALUE (as `ray start --labels KEY=VALUE`)")
-        if key in out:
-            raise ConfigError(f"--node_labels: label {key!r} given twice")
-        out[key.strip()] = value.strip()
-    return out
-
-
 
 
 @configclass

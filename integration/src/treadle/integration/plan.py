@@ -33,8 +33,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from treadle.common.config import ConfigError, parse
-from treadle.integration.config import LaunchConfig, flag_name, label_selector
+from treadle.common.config import ConfigError, label_selector, parse
+from treadle.integration.config import LaunchConfig, flag_name
 
 MODULES = {"rollout": "treadle.rollout.cli", "rewards": "treadle.rewards.cli", "agents": "treadle.agents.cli",
            "trainer": "treadle.trainer.cli"}
@@ -100,6 +100,9 @@ class DaemonPlan:
     """Addresses the user fixed in the section."""
     num_gpus: int = 0
     num_cpus: float = 1.0
+    ray_engines: bool = False
+    """rollout with ``--engine_placement ray``: its engines are Ray actors with bundles of their own,
+    so the daemon's bundle holds the front end only (CPU) and it gets no ``--gpu_ids``."""
 
     @property
     def module(self) -> str:
@@ -216,11 +219,16 @@ def rollout_plan(cfg: LaunchConfig, ppo: Any) -> DaemonPlan:
     if endpoint:
         _fixed_port("--endpoint", endpoint, "rollout")
     gpus = cfg.rollout.num_gpus
+    ray_engines = checked.engine_placement == "ray"
+    if gpus and ray_engines:
+        raise ConfigError(f"--rollout.num_gpus {gpus} with `-- rollout --engine_placement ray`: each engine reserves "
+                          "its own GPUs in a placement group of its own (--ray.num_gpus_per_rank); drop --rollout.num_gpus")
     if gpus and gpus != checked.engines * checked.ranks_per_engine:
         raise ConfigError(f"--rollout.num_gpus {gpus}: the rollout daemon runs {checked.engines} engines x "
                           f"{checked.ranks_per_engine} GPUs (--engines x --tensor_parallel_size x --pipeline_parallel_size)")
     return DaemonPlan(name="rollout", args=("serve", *args), port_flags=() if endpoint else ("--endpoint",),
-                      given=Addresses(rollout=endpoint), num_gpus=gpus, num_cpus=cfg.rollout.num_cpus)
+                      given=Addresses(rollout=endpoint), num_gpus=gpus, num_cpus=cfg.rollout.num_cpus,
+                      ray_engines=ray_engines)
 
 
 def rewards_plan(cfg: LaunchConfig) -> DaemonPlan:
@@ -332,6 +340,10 @@ def make_plan(cfg: LaunchConfig) -> Plan:
         raise ConfigError(f"--train.colocate_all with --trainer.nodes {cfg.trainer.nodes}: the launched rollout daemon "
                           "runs on one node, so its engines cannot share the GPUs of every trainer node (a daemon "
                           "per node is not done yet); drop --train.colocate_all or run the trainer on one node")
+    roll = next((d for d in daemons if d.name == "rollout"), None)
+    if colocate and roll is not None and roll.ray_engines:
+        raise ConfigError("--train.colocate_all puts the engines on the trainer's GPUs, `-- rollout --engine_placement "
+                          "ray` wherever Ray finds room: drop one of them")
     ckpt = getattr(tcfg, "ckpt", None)
     if cfg.max_restarts and ckpt is not None and ckpt.save_steps == -1:
         raise ConfigError(f"--max_restarts {cfg.max_restarts} resumes from the trainer's checkpoints, but `-- "

@@ -98,9 +98,6 @@ from treadle.integration.supervise import (
 )
 
 log = get_logger(__name__)
-FORWARDED_ENV = ("TREADLE_", "HF_", "TRANSFORMERS_", "TOKENIZERS_", "VLLM_", "TORCH_", "OMP_", "MKL_", "NCCL_",
-                 "GLOO_", "DS_", "PYTHONPATH", "MPLCONFIGDIR")
-"""Variables of the launcher's environment the actors get (a Ray worker starts from the raylet's)."""
 LOCAL_OBJECT_STORE_BYTES = 256 << 20
 DIED = -int(signal.SIGKILL)  # exit code recorded for an actor that died without returning
 SIGNAL_TASK_S = 120.0
@@ -320,11 +317,6 @@ def connect(ray_cfg: RayLaunch, need_cpus: float) -> bool:
     return True
 
 
-def forwarded_env() -> dict[str, str]:
-    """The launcher's variables the actors need (caches, thread counts, treadle knobs)."""
-    return {k: v for k, v in env.child_env().items() if k.startswith(FORWARDED_ENV)}
-
-
 def place(plan: Plan, stop: threading.Event) -> tuple[Any, dict[str, Any], dict[str, dict[str, Any]]]:
     """(placement group, component -> actor, component -> actor's ``prepare`` answer)."""
     bundles, index, need = bundles_of(plan)
@@ -344,7 +336,7 @@ def place(plan: Plan, stop: threading.Event) -> tuple[Any, dict[str, Any], dict[
                               f"{ray.available_resources()}; nodes' labels: "
                               f"{[n.get('Labels', {}) for n in ray.nodes() if n.get('Alive')]}")
     actors, where = {}, {}
-    environ = forwarded_env()
+    environ = env.forwarded_env()
     for name, i in index.items():
         opts = {"num_cpus": need[name]["CPU"], "num_gpus": need[name]["GPU"], "runtime_env": {"env_vars": environ},
                 "scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i)}
@@ -377,7 +369,7 @@ def make_keys(run_dir: Path) -> Keys:
 def rollout_gpu_flags(plan: Plan, where: dict[str, dict[str, Any]]) -> list[str]:
     """``--gpu_ids`` for the rollout daemon: its own GPUs, or the trainer's when colocated."""
     d = plan.daemon("rollout")
-    if d is None or flag_value(d.args[1:], "--gpu_ids") is not None:  # args[0] is "serve"
+    if d is None or d.ray_engines or flag_value(d.args[1:], "--gpu_ids") is not None:  # args[0] is "serve"
         return []
     gpus = where["trainer"]["gpu_ids"] if plan.colocate and "trainer" in where else where["rollout"]["gpu_ids"]
     return ["--gpu_ids", *gpus] if gpus else []

@@ -154,10 +154,22 @@ def test_engine_fields_fit_each_backends_config():
     (["--model", "m", "--engine.max_model_len", "1"], "--engine.max_model_len"),
     (["--model", "m", "--engine.max_lora_rank", "4"], "--engine.max_lora_rank must be one of"),
     (["--model", "m", "--metrics_port", "9", "--metrics_host", "0.0.0.0"], "pass --metrics_open"),
+    (["--model", "m", "--engine_placement", "ray", "--gpu_ids", "0"], "--engine_placement ray: --gpu_ids place"),
+    (["--model", "m", "--engine_placement", "ray", "--cpus", "0", "--no_cpu_bind"], "--cpus, --no_cpu_bind place"),
+    (["--model", "m", "--ray.num_gpus_per_rank", "1"], "give --engine_placement ray"),
+    (["--model", "m", "--engine_placement", "ray", "--ray.node_labels", "role"], "each label is KEY=VALUE"),
+    (["--model", "m", "--engine_placement", "ray", "--ray.num_cpus_per_rank", "0"], "--ray.num_cpus_per_rank must be > 0"),
 ])
 def test_serve_config_refuses_bad_values_naming_the_flag(flags, needle):
     with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):
         parse(ServeConfig, flags)
+
+
+def test_a_ray_engine_bundle_is_its_ranks_resources():
+    cfg = parse(ServeConfig, ["--model", "m", "--engine_placement", "ray", "--tensor_parallel_size", "2",
+                              "--ray.num_gpus_per_rank", "1", "--ray.num_cpus_per_rank", "2"])
+    assert cfg.ray.bundle(cfg.ranks_per_engine) == {"CPU": 4.0, "GPU": 2.0}
+    assert parse(ServeConfig, ["--model", "m", "--engine_placement", "ray"]).ray.bundle(1) == {"CPU": 1.0}
 
 
 def test_open_metrics_need_the_explicit_flag():
@@ -179,10 +191,11 @@ SERVE_FLAGS = [
     "--engine.max_batch_samples", "--engine.max_lora_rank", "--engine.max_model_len", "--engine.max_num_seqs",
     "--engine.multiprocess",
     "--engine.no_enable_prefix_caching", "--engine.no_enable_sleep_mode", "--engine.no_enforce_eager",
-    "--engine.no_multiprocess", "--engine.seed", "--engines", "--exit_with_pid", "--gpu_ids", "--health_interval_s",
+    "--engine.no_multiprocess", "--engine.seed", "--engine_placement", "--engines", "--exit_with_pid", "--gpu_ids", "--health_interval_s",
     "--health_timeout_s", "--help", "--keep_weights", "--max_in_flight_samples", "--max_restarts",
     "--max_retries", "--metrics_host", "--metrics_open", "--metrics_port", "--model", "--no_cpu_bind", "--no_keep_weights", "--no_metrics_open",
-    "--pipeline_parallel_size", "--route_timeout_s", "--run_dir", "--start_timeout_s", "--tensor_parallel_size", "-h",
+    "--pipeline_parallel_size", "--ray.address", "--ray.node_labels", "--ray.num_cpus_per_rank",
+    "--ray.num_gpus_per_rank", "--route_timeout_s", "--run_dir", "--start_timeout_s", "--tensor_parallel_size", "-h",
 ]
 
 

@@ -485,3 +485,21 @@ def flag_names(cls: type) -> list[str]:
     ``--config``), sorted."""
     names = {s for action in _parser_actions(cls) for s in action.option_strings}
     return sorted(names | set(_value_aliases(cls)) | {CONFIG_FLAG})
+
+
+def label_selector(labels: Sequence[str]) -> dict[str, str]:
+    """``("role=trainer", "zone=!b")`` -> ``{"role": "trainer", "zone": "!b"}``: a Ray label selector
+    (``bundle_label_selector``), matched against the labels nodes got from ``ray start --labels``.
+
+    Values are Ray's selector syntax, passed on as they are: ``v`` (equal), ``!v`` (not equal),
+    ``in(a,b)``, ``!in(a,b)``. ConfigError for an item that is not KEY=VALUE or a key given twice.
+    """
+    out: dict[str, str] = {}
+    for item in labels:
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip() or not value.strip():
+            raise ConfigError(f"--node_labels {item!r}: each label is KEY=VALUE (as `ray start --labels KEY=VALUE`)")
+        if key in out:
+            raise ConfigError(f"--node_labels: label {key!r} given twice")
+        out[key.strip()] = value.strip()
+    return out

@@ -72,6 +72,16 @@ def child_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     return env
 
 
+FORWARDED_PREFIXES = ("TREADLE_", "HF_", "TRANSFORMERS_", "TOKENIZERS_", "VLLM_", "TORCH_", "OMP_", "MKL_", "NCCL_",
+                      "GLOO_", "DS_", "PYTHONPATH", "MPLCONFIGDIR")
+"""Variables a process started on another Ray node gets from ours (a Ray worker starts from the raylet's)."""
+
+
+def forwarded_env() -> dict[str, str]:
+    """This process's variables that Ray actors it starts need (caches, thread counts, treadle knobs)."""
+    return {k: v for k, v in os.environ.items() if k.startswith(FORWARDED_PREFIXES)}
+
+
 @contextlib.contextmanager
 def scoped_environ(values: Mapping[str, str | None]) -> Iterator[None]:
     """Set third-party environment variables inside the block only (for the child processes or

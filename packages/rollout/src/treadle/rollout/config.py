@@ -11,10 +11,11 @@ What this module does not do: start anything (``pool``, ``server``), or read the
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from treadle.common.config import ConfigError, configclass
+from treadle.common.config import ConfigError, configclass, label_selector
 from treadle.common.rpc.transport import is_loopback
 
 Backend = Literal["vllm", "hf"]
@@ -81,6 +82,33 @@ VLLM_LORA_RANKS = (0, 1, 8, 16, 32, 64, 128, 256, 320, 512)  # 0: off; the other
 
 
 @configclass
+class RayEngineOptions:
+    """--engine_placement ray: each engine a Ray actor in a placement group of its own."""
+
+    address: str = "auto"
+    """Ray cluster to join: "auto" (the running one; inside a Ray actor, its own), "local" (start
+    one on this machine) or an address (HOST:PORT)."""
+    num_cpus_per_rank: float = 1.0
+    """CPUs each engine rank reserves (its OMP threads)."""
+    num_gpus_per_rank: float = 0.0
+    """GPUs each engine rank reserves (0: CPU engines; 1 for vLLM on GPUs)."""
+    node_labels: tuple[str, ...] = ()
+    """KEY=VALUE labels a node must have to host an engine (`ray start --labels`); empty: any node."""
+
+    def __post_init__(self) -> None:
+        if not self.num_cpus_per_rank > 0:
+            raise ConfigError(f"--ray.num_cpus_per_rank must be > 0, got {self.num_cpus_per_rank}")
+        if self.num_gpus_per_rank < 0:
+            raise ConfigError(f"--ray.num_gpus_per_rank must be >= 0, got {self.num_gpus_per_rank}")
+        label_selector(self.node_labels)
+
+    def bundle(self, ranks: int) -> dict[str, float]:
+        """The placement-group bundle of one engine of ``ranks`` ranks."""
+        out = {"CPU": ranks * self.num_cpus_per_rank, "GPU": ranks * self.num_gpus_per_rank}
+        return {k: v for k, v in out.items() if v}
+
+
+@configclass
 class ServeConfig:
     """treadle-rollout serve: N rollout engines (one process each) behind one ZeroMQ front end."""
 
@@ -128,6 +156,11 @@ class ServeConfig:
     """CPU cores the engines may use (e.g. leave some to a colocated trainer); empty: all of ours."""
     gpu_ids: tuple[int, ...] = ()
     """GPUs to place engines on: slot k gets the next tensor*pipeline ids (CUDA_VISIBLE_DEVICES)."""
+    engine_placement: Literal["local", "ray"] = "local"
+    """Where engines run: "local" (child processes of the daemon, on its machine) or "ray" (Ray
+    actors on any node of a Ray cluster, --ray.*; a lost node's engines restart where Ray finds room)."""
+    ray: RayEngineOptions = RayEngineOptions()
+    """--engine_placement ray: the cluster and each engine's resources."""
     run_dir: str = ""
     """Folder for the engines' ipc sockets; empty: a fresh temporary folder."""
     exit_with_pid: int | None = None
@@ -159,6 +192,16 @@ class ServeConfig:
         if self.gpu_ids and len(self.gpu_ids) < self.ranks_per_engine:
             raise ConfigError(f"--gpu_ids lists {len(self.gpu_ids)} GPUs; one engine needs {self.ranks_per_engine}")
         require_curve(self.endpoint, self.curve_dir, "bind")
+        if self.engine_placement == "ray":
+            local_only = [f"--{name}" for name in ("cpus", "gpu_ids") if getattr(self, name)]
+            local_only += ["--no_cpu_bind"] if not self.cpu_bind else []
+            if local_only:
+                raise ConfigError(f"--engine_placement ray: {', '.join(local_only)} place engines on this machine; "
+                                  "Ray places them (--ray.num_cpus_per_rank, --ray.num_gpus_per_rank, --ray.node_labels)")
+            if importlib.util.find_spec("ray") is None:
+                raise ConfigError("--engine_placement ray needs Ray: pip install 'treadle-rollout[ray]'")
+        elif self.ray != RayEngineOptions():
+            raise ConfigError("--ray.* flags place engines on a Ray cluster: give --engine_placement ray")
 
     @property
     def ranks_per_engine(self) -> int:

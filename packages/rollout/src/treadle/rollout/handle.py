@@ -1,7 +1,9 @@
 """The front end's handle on one engine process: spawn, wait until it answers, call it, kill it.
 
-An ``EngineHandle`` owns one ``python -m treadle.rollout.worker`` process (in its own process
-group, so killing it takes vLLM's children too) and one ``RpcClient`` to it. Calls race the
+An ``EngineHandle`` owns one ``python -m treadle.rollout.worker`` process and one ``RpcClient``
+to it. A ``Starter`` makes the process: ``LocalStarter`` a child of the daemon in its own process
+group (so killing it takes vLLM's children too), ``ray_engines.RayStarter`` one under a Ray actor
+on any node of a cluster. Calls race the
 process's exit: a call or stream to a process that dies raises ``EngineDead`` at once instead
 of waiting for a reply that will never come. The pool drives the state machine::
 
@@ -22,27 +24,101 @@ import signal
 import sys
 import time
 from collections.abc import AsyncIterator
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 from treadle.common.errors import EngineDead, RequestTimeout, TreadleError
 from treadle.common.log import get_logger
-from treadle.common.rpc import RpcClient
+from treadle.common.rpc import ClientCurve, RpcClient
 from treadle.rollout.worker import WorkerSpec
 
 log = get_logger(__name__)
 State = Literal["starting", "catching_up", "ready", "behind", "quarantined", "draining", "dead", "stopped"]
 
 
-class EngineHandle:
-    """One engine process as the front end sees it."""
+class EngineProcess(Protocol):
+    """A running worker, wherever it runs (``LocalProcess`` here, ``ray_engines.RayProcess``)."""
 
-    def __init__(self, *, slot: int, engine_id: str, spec: WorkerSpec, env: dict[str, str],
-                 cpus: tuple[int, ...] = ()) -> None:
-        self.slot = slot
-        self.cpus = cpus  # the cores the engine computes on
-        self.engine_id = engine_id
+    pid: int
+    node: str  # where it runs: "local" or a Ray node's address
+    error: str  # why it died, beyond its exit status ("" when nothing more is known)
+
+    @property
+    def returncode(self) -> int | None: ...
+
+    async def wait(self) -> int:
+        """Its exit status, once it has exited."""
+
+    def kill(self) -> None:
+        """SIGKILL it and everything it started (also after it exited)."""
+
+
+class Starter(Protocol):
+    """Starts one engine slot's worker; ``EngineHandle.spawn`` calls it at every (re)start."""
+
+    async def start(self, engine_id: str) -> tuple[EngineProcess, str, ClientCurve | None]:
+        """A fresh worker: (its process, the endpoint it serves, the CURVE keys to call it with)."""
+
+    async def close(self) -> None:
+        """Release what the starter holds (placement groups); the worker is already stopped."""
+
+
+class LocalProcess:
+    """A worker process of this machine, in its own process group."""
+
+    node = "local"
+    error = ""
+
+    def __init__(self, proc: asyncio.subprocess.Process) -> None:
+        self._proc = proc
+        self.pid = proc.pid
+        self._swept = False  # the process group was killed after the worker exited
+
+    @property
+    def returncode(self) -> int | None:
+        return self._proc.returncode
+
+    async def wait(self) -> int:
+        return await self._proc.wait()
+
+    def kill(self) -> None:
+        """SIGKILL the worker's whole process group (vLLM's children included).
+
+        Also after the worker itself died: its group outlives it while a child (vLLM's engine
+        core) is still running, and such an orphan would hold memory and a core.
+        """
+        if self._swept:
+            return
+        # One sweep after the leader exited, right away: later its pid could name someone else.
+        self._swept = self._proc.returncode is not None
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.pid, signal.SIGKILL)
+
+
+class LocalStarter:
+    """``python -m treadle.rollout.worker`` as a child process, serving on ``spec.endpoint``."""
+
+    def __init__(self, spec: WorkerSpec, env: dict[str, str]) -> None:
         self.spec = spec
         self._env = env
+
+    async def start(self, engine_id: str) -> tuple[EngineProcess, str, ClientCurve | None]:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "treadle.rollout.worker", self.spec.to_json(),
+            env=self._env, stdin=asyncio.subprocess.DEVNULL, start_new_session=True)
+        return LocalProcess(proc), self.spec.endpoint, None
+
+    async def close(self) -> None:
+        return None
+
+
+class EngineHandle:
+    """One engine worker as the front end sees it."""
+
+    def __init__(self, *, slot: int, engine_id: str, starter: Starter, cpus: tuple[int, ...] = ()) -> None:
+        self.slot = slot
+        self.cpus = cpus  # the cores the engine computes on (local placement)
+        self.engine_id = engine_id
+        self.starter = starter
         self.state: State = "starting"
         self.reason = ""  # why quarantined / dead / stopped
         self.version = 0  # weight version the engine holds
@@ -50,12 +126,11 @@ class EngineHandle:
         self.restarts = 0
         self.base_rank = 0  # first weight-group rank of this engine's workers (0: not a member)
         self.stats: dict[str, Any] = {}  # the engine's last ``stats`` answer
-        self.proc: asyncio.subprocess.Process | None = None
+        self.proc: EngineProcess | None = None
         self.client: RpcClient | None = None
         self.dead = asyncio.Event()
         self.parts: set[Any] = set()  # in-flight generate parts (``dispatch.Part``) on this engine
         self.started_at = 0.0
-        self._swept = False  # the process group was killed after the worker exited
 
     @property
     def pid(self) -> int:
@@ -68,7 +143,8 @@ class EngineHandle:
     def describe(self) -> dict[str, Any]:
         s = self.stats
         return {"engine_id": self.engine_id, "slot": self.slot, "state": self.state, "reason": self.reason,
-                "pid": self.pid, "version": self.version, "load": self.load, "restarts": self.restarts,
+                "pid": self.pid, "node": self.proc.node if self.proc is not None else "",
+                "version": self.version, "load": self.load, "restarts": self.restarts,
                 "cpus": list(self.cpus), "running": s.get("running", 0), "waiting": s.get("waiting", 0),
                 "gated": s.get("gated", 0), "tokens_per_s": s.get("tokens_per_s", 0.0),
                 "tokens_generated": s.get("tokens_generated", 0), "sleeping": s.get("sleeping", False)}
@@ -76,21 +152,20 @@ class EngineHandle:
     # ------------------------------------------------------------------ process
 
     async def spawn(self) -> None:
-        """Start a fresh worker process (a restart reuses the handle)."""
+        """Start a fresh worker (a restart reuses the handle)."""
         self.dead = asyncio.Event()
         # ``load`` is not reset: the parts of a dead incarnation give theirs back as they end.
         self.state, self.reason, self.version, self.base_rank = "starting", "", 0, 0
         self.stats = {}
-        self._swept = False
-        self.proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "treadle.rollout.worker", self.spec.to_json(),
-            env=self._env, stdin=asyncio.subprocess.DEVNULL, start_new_session=True)
+        self.proc = None
+        self.proc, endpoint, curve = await self.starter.start(self.engine_id)
         # The process's exit, not the socket's, says the engine died: failing calls on a dropped
         # connection (before the pool has seen the exit) would fail them over onto this same engine.
-        self.client = RpcClient(self.spec.endpoint, name=f"engine:{self.engine_id}", timeout_s=math.inf,
+        self.client = RpcClient(endpoint, name=f"engine:{self.engine_id}", curve=curve, timeout_s=math.inf,
                                 fail_on_disconnect=False)
         self.started_at = time.monotonic()
-        log.info("engine %s: started process %d (cores %s)", self.engine_id, self.proc.pid, list(self.cpus))
+        log.info("engine %s: started process %d on %s (cores %s)", self.engine_id, self.proc.pid,
+                 self.proc.node, list(self.cpus))
 
     async def wait_exit(self) -> int:
         """The process's exit status, once it has exited; marks the handle dead."""
@@ -108,24 +183,16 @@ class EngineHandle:
             reply = await self.call("stats", timeout=timeout_s)
         except EngineDead:
             raise EngineDead(f"engine {self.engine_id} exited with status {self.proc.returncode} while "
-                             "starting (its log is above)") from None
+                             f"starting{self._why()} (its log is above)") from None
         except RequestTimeout:
             raise RequestTimeout(f"engine {self.engine_id} did not answer within {timeout_s:g} s of "
                                  "starting (raise --start_timeout_s)") from None
         self.stats = dict(reply.args)
 
     def kill(self) -> None:
-        """SIGKILL the worker's whole process group (vLLM's children included).
-
-        Also after the worker itself died: its group outlives it while a child (vLLM's engine
-        core) is still running, and such an orphan would hold memory and a core.
-        """
-        if self.proc is None or self._swept:
-            return
-        # One sweep after the leader exited, right away: later its pid could name someone else.
-        self._swept = self.proc.returncode is not None
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
+        """SIGKILL the worker and everything it started (vLLM's children included)."""
+        if self.proc is not None:
+            self.proc.kill()
 
     async def stop(self, grace_s: float = 5.0) -> None:
         """Ask the worker to close, wait ``grace_s``, then kill it; closes the RPC client."""
@@ -144,11 +211,14 @@ class EngineHandle:
         if self.client is not None:
             await self.client.close()
 
+    def _why(self) -> str:
+        return f": {self.proc.error}" if self.proc is not None and self.proc.error else ""
+
     # ------------------------------------------------------------------ calls
 
     def _gone(self) -> EngineDead:
         code = self.proc.returncode if self.proc is not None else None
-        return EngineDead(f"engine {self.engine_id} (pid {self.pid}) died (exit status {code})")
+        return EngineDead(f"engine {self.engine_id} (pid {self.pid}) died (exit status {code}{self._why()})")
 
     async def call(self, method: str, msg: Any = None, *, timeout: float | None = None) -> Any:
         """One RPC to the worker; ``EngineDead`` as soon as the process is gone."""

@@ -1,7 +1,8 @@
 """The engine pool: N engine processes, least-loaded routing, restarts, scaling.
 
 ``EnginePool(cfg)`` spawns one worker process per engine (``handle.EngineHandle``), pinned to
-its own cores (``config.placement``), and runs one lifecycle task per engine: start, wait until
+its own cores (``config.placement``), or with ``--engine_placement ray`` under a Ray actor on
+any node of a cluster (``ray_engines``), and runs one lifecycle task per engine: start, wait until
 it answers, bring it to the pool's weight version (``updates.WeightCoordinator.catch_up``),
 serve, and when the process exits for any reason but a scale-down or shutdown, restart it
 (up to ``--max_restarts``). Health checks every ``--health_interval_s`` refresh each engine's
@@ -29,8 +30,8 @@ from typing import Any
 from treadle.common import env
 from treadle.common.errors import EngineDead, NoEngine, RequestTimeout, TreadleError
 from treadle.common.log import get_logger
-from treadle.rollout.config import ServeConfig, engine_fields, placement
-from treadle.rollout.handle import EngineHandle
+from treadle.rollout.config import Placement, ServeConfig, engine_fields, placement
+from treadle.rollout.handle import EngineHandle, LocalStarter
 from treadle.rollout.telemetry import PoolMetrics
 from treadle.rollout.updates import WeightCoordinator
 from treadle.rollout.worker import WorkerSpec
@@ -59,12 +60,18 @@ class EnginePool:
         self._scale_lock = asyncio.Lock()
         self._closing = False
         self._run_dir = cfg.run_dir or tempfile.mkdtemp(prefix="treadle-rollout-")
+        self._ray: Any = None  # ray_engines.RayEngines with --engine_placement ray
         self._cpus = list(cfg.cpus) or (sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [])
 
     # ------------------------------------------------------------------ lifecycle
 
     async def start(self) -> None:
         """Start ``cfg.engines`` engines and wait until every one is ready (raises if one fails)."""
+        if self.cfg.engine_placement == "ray":
+            from treadle.rollout.ray_engines import RayEngines  # noqa: PLC0415  (ray: only when asked)
+
+            self._ray = await RayEngines.create(self.cfg.ray, self.cfg.ranks_per_engine, self.cfg.start_timeout_s,
+                                                self._run_dir)
         await self._add(self.cfg.engines)
 
     async def close(self, grace_s: float = 5.0) -> None:
@@ -75,6 +82,9 @@ class EnginePool:
         for task in self._tasks.values():
             task.cancel()
         await asyncio.gather(*self._tasks.values(), return_exceptions=True)
+        await asyncio.gather(*(h.starter.close() for h in self.handles.values()), return_exceptions=True)
+        if self._ray is not None:
+            self._ray.close()
         with contextlib.suppress(OSError):
             for name in os.listdir(self._run_dir):
                 os.unlink(os.path.join(self._run_dir, name))
@@ -83,6 +93,11 @@ class EnginePool:
 
     def _new_handle(self, slot: int, engines: int) -> EngineHandle:
         engine_id = f"e{next(self._ids)}"
+        if self._ray is not None:  # Ray picks the node and the GPUs; threads per rank from --ray.*
+            threads = max(1, int(self.cfg.ray.num_cpus_per_rank))
+            where = Placement(cpus=(), threads_per_rank=threads, cpu_bind="nobind", gpus=())
+            spec = WorkerSpec(backend=self.cfg.backend, engine=engine_fields(self.cfg, engine_id, where), endpoint="")
+            return EngineHandle(slot=slot, engine_id=engine_id, starter=self._ray.starter(spec))
         where = placement(slot, engines, self.cfg.ranks_per_engine, self._cpus, self.cfg.gpu_ids,
                           bind=self.cfg.cpu_bind)
         # hf computes in the worker process: pin the process. vLLM computes in its own workers,
@@ -94,7 +109,8 @@ class EnginePool:
         extra = {"OMP_NUM_THREADS": str(where.threads_per_rank)} if where.cpus else {}
         if where.gpus:
             extra["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in where.gpus)
-        return EngineHandle(slot=slot, engine_id=engine_id, spec=spec, env=env.child_env(extra), cpus=where.cpus)
+        return EngineHandle(slot=slot, engine_id=engine_id, starter=LocalStarter(spec, env.child_env(extra)),
+                            cpus=where.cpus)
 
     async def _add(self, count: int) -> list[EngineHandle]:
         used = {h.slot for h in self.handles.values()}
@@ -130,7 +146,7 @@ class EnginePool:
                 if not first.done():
                     first.set_result(None)
             except Exception as e:  # any failure to start: report it, never leave scale() waiting
-                log.error("engine %s failed to start: %s", h.engine_id, e)
+                (log.info if self._closing else log.error)("engine %s failed to start: %s", h.engine_id, e)
                 h.reason = str(e)
                 h.kill()
                 if not first.done():
@@ -141,6 +157,7 @@ class EnginePool:
             self._on_exit(h, code)
             if self._closing or h.state in ("draining", "stopped") or not first.done() or first.exception():
                 self._set(h, "stopped")
+                await h.starter.close()
                 return
             h.restarts += 1
             self.metrics.restarts.inc()
@@ -148,6 +165,7 @@ class EnginePool:
                 h.reason = f"died {h.restarts} times (--max_restarts {self.cfg.max_restarts}): left down"
                 self._set(h, "stopped")
                 log.error("engine %s %s", h.engine_id, h.reason)
+                await h.starter.close()
                 return
             self._set(h, "dead")
             await asyncio.sleep(RESTART_BACKOFF_S[min(h.restarts, len(RESTART_BACKOFF_S)) - 1])
@@ -155,8 +173,10 @@ class EnginePool:
     def _on_exit(self, h: EngineHandle, code: int) -> None:
         """The process is gone: fail its in-flight parts over, drop it from the weight group."""
         if not self._closing and h.state not in ("draining", "stopped"):
-            log.warning("engine %s (pid %d) exited with status %s", h.engine_id, h.pid, code)
-            h.reason = f"process exited with status {code}"
+            why = f" ({h.proc.error})" if h.proc is not None and h.proc.error else ""
+            log.warning("engine %s (pid %d on %s) exited with status %s%s", h.engine_id, h.pid,
+                        h.proc.node if h.proc is not None else "?", code, why)
+            h.reason = f"process exited with status {code}{why}"
         h.kill()  # whatever the worker left behind in its process group
         for part in list(h.parts):
             part.died = True
@@ -303,6 +323,7 @@ class EnginePool:
         while h.load > 0 and h.alive and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         await h.stop(grace_s=5.0)
+        await h.starter.close()
         self._set(h, "stopped")
 
     def _forget_stopped(self) -> None:

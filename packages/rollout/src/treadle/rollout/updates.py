@@ -47,6 +47,7 @@ import msgspec
 from treadle.common.errors import (
     BadRequest,
     CanaryMismatch,
+    EngineDead,
     EnginesQuarantined,
     NoEngine,
     NoWeightGroup,
@@ -63,6 +64,7 @@ from treadle.common.records import (
 
 log = get_logger(__name__)
 UPDATABLE = ("ready", "quarantined", "behind")  # engines an update goes to
+STARVED_GRACE_S = 5.0  # after a member died mid-broadcast: the others' extra wait (``_receive_all``)
 
 
 @dataclass(slots=True, kw_only=True)
@@ -179,10 +181,10 @@ class WeightCoordinator:
             members = [self.pool.handles[i] for i in g.members]
             yield Control(op="accepted", args=msgspec.structs.asdict(g.spec))
             method = "receive_weights_abort" if mode == "abort" else "receive_weights"
-            calls = [h.call(method, update) for h in members]
+            calls = [asyncio.ensure_future(h.call(method, update)) for h in members]
             if g.keeper is not None:
-                calls.append(asyncio.to_thread(_receive, g.keeper, update))
-            replies = await asyncio.gather(*calls, return_exceptions=True)
+                calls.append(asyncio.ensure_future(asyncio.to_thread(_receive, g.keeper, update)))
+            replies = await self._receive_all(g, members, calls, time.monotonic())
             kept = replies.pop() if g.keeper is not None else None
             if isinstance(kept, BaseException):
                 log.error("the front end could not keep weight version %d: %s", update.version, kept)
@@ -191,6 +193,41 @@ class WeightCoordinator:
                 canary_token_ids=update.canary_token_ids, canary_logprobs=update.canary_logprobs,
                 canary_tolerance=update.canary_tolerance, adapter=update.adapter, tensors=kept)
             yield Control(op="updated", args=self._settle(update, members, replies, inline, received))
+
+    async def _receive_all(self, g: Group, members: list[Any], calls: list[asyncio.Future[Any]],
+                           started: float) -> list[Any]:
+        """Every member's (and the keeper's, last) reply or exception.
+
+        gloo broadcasts along a tree: members relay the buckets to one another, so a member that
+        dies mid-broadcast starves the ranks below it, which would wait out the group's timeout
+        (and hold the update, and the trainer, that long). Once a member died, the others get as
+        long again as the update had taken, plus ``STARVED_GRACE_S``; a member still waiting then is
+        killed (it restarts and catches up, as after any death) and the keeper's copy is dropped.
+        """
+        pending = set(calls)
+        while pending:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            if any(not t.cancelled() and isinstance(t.exception(), EngineDead) for t in done):
+                break
+        if pending:
+            grace = STARVED_GRACE_S + (time.monotonic() - started)
+            _, pending = await asyncio.wait(pending, timeout=grace)
+        replies: list[Any] = []
+        for i, call in enumerate(calls):
+            if call in pending:
+                call.cancel()
+                why = (f"still waiting for weight buckets {grace:.1f} s after a member of the weight group died "
+                       "mid-broadcast (its relay in gloo's tree)")
+                if i < len(members):
+                    log.error("engine %s is %s: killing it (it restarts and catches up)", members[i].engine_id, why)
+                    members[i].kill()
+                else:  # the keeper's thread waits out the group's timeout; the group is rebuilt anyway
+                    log.error("the front end's keeper rank is %s: its copy is dropped", why)
+                    g.keeper = None
+                replies.append(EngineDead(f"{why}: killed"))
+            else:
+                replies.append(call.exception() if call.exception() is not None else call.result())
+        return replies
 
     def _settle(self, update: Any, targets: list[Any], replies: list[Any], keep: InlineWeights | None,
                 received: float) -> dict[str, Any]:

@@ -16,6 +16,9 @@ an ``ipc://`` (or loopback tcp) endpoint, one method per ``Engine`` method:
     stats, health               -> Control(args=EngineStats fields + pid)
     close                       -> Ack, then the process exits
 
+On another machine (``--engine_placement ray``) it serves tcp on its node's address with the
+CURVE keys the pool made for the run (``WorkerSpec.curve_dir``); only the pool holds the client key.
+
 The ``_abort`` variants pause with ``mode="abort"`` (in-flight samples end "abort") instead of
 letting them finish on the old weights. The worker exits when its parent dies (it polls its
 parent pid), on SIGTERM, or after ``close``.
@@ -44,10 +47,11 @@ class WorkerSpec:
 
     backend: str  # a key of ``engine.ENGINES``
     engine: dict[str, Any]  # keyword arguments of the backend's config class
-    endpoint: str  # where to serve (ipc:// or loopback tcp)
+    endpoint: str  # where to serve (ipc://, or tcp: loopback, or any address with curve_dir)
     cpus: tuple[int, ...] = ()  # CPU affinity of the whole process; () keeps the inherited one
     parent_pid: int = 0  # exit when this process is gone (0: do not watch)
     env: dict[str, str] = field(default_factory=dict)  # informational: what the pool set for us
+    curve_dir: str = ""  # CURVE server keys (server.key_secret, authorized_clients/); "": none
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -191,8 +195,13 @@ async def serve(spec: WorkerSpec) -> None:
         await engine.start()
         service = WorkerService(engine, stop)
         # The front end bounds the work it sends; the server must never answer it "busy".
+        curve = None
+        if spec.curve_dir:
+            from treadle.common.rpc import load_server_keys
+
+            curve = load_server_keys(spec.curve_dir)
         server = RpcServer(name=f"rollout-worker:{engine.engine_id}", endpoint=spec.endpoint,
-                           handlers=service.handlers(), max_in_flight=1 << 20)
+                           handlers=service.handlers(), max_in_flight=1 << 20, curve=curve)
         await server.start()
         log.info("engine %s (%s, pid %d) serving on %s", engine.engine_id, spec.backend, os.getpid(), spec.endpoint)
         await stop.wait()

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from treadle.common.config import ConfigError
+from treadle.common.errors import EngineDead
 from treadle.common.log import get_logger
 from treadle.common.weights import plan_buckets
 from treadle.trainer.weights.collective import Collective
@@ -44,6 +45,7 @@ __all__ = ["SenderConfig", "SyncReport", "WeightSender", "WeightSyncFailed"]
 
 ENGINE_DTYPES = ("float32", "bfloat16", "float16", "float64")
 EXACT_CANARY_TOL = 1e-3  # same dtype on both sides: logprobs agree to ~1e-5 (PLATFORM.md)
+ENGINE_BACK_S = 600.0  # a sync that reached no engine waits this long for one to be ready again
 NARROWED_CANARY_TOL = 0.1  # an fp32 trainer vs a bf16 engine differ by ~5e-2 (PLATFORM.md)
 
 
@@ -144,7 +146,7 @@ class WeightSender:
         sizes = plan_buckets([it.nbytes for it in items], self.config.bucket_bytes)
         header = {"version": version, "names": [it.name for it in items], "dtypes": [it.dtype_name for it in items],
                   "shapes": [list(it.shape) for it in items], "adapter": adapter, **self._canary(items)}
-        sent = self._transport.send(header, items, sizes)
+        sent = self._send(header, items, sizes)
         answer = sent.answer
         report = SyncReport(version=version, tensors=len(items), bytes=sum(it.nbytes for it in items),
                             buckets=sent.buckets, seconds=time.perf_counter() - start,
@@ -160,6 +162,19 @@ class WeightSender:
                 "send_s": round(report.send_seconds, 3), "updated": report.updated, "failed": report.failed,
                 "engine_s": report.engine_seconds, "canary_gap": report.canary_gap}})
         return report
+
+    def _send(self, header: dict[str, Any], items: list[Item], sizes: list[int]) -> Any:
+        """The transport's send, once more when every engine it went to died under it (a node
+        lost mid-sync: ``EngineDead``, raised alike on every rank): rank 0 first waits up to
+        ``ENGINE_BACK_S`` for an engine to be ready again (a restart, a replacement)."""
+        try:
+            return self._transport.send(header, items, sizes)
+        except EngineDead as e:
+            log.warning("weight sync of version %d reached no engine (%s): sending it again once an engine is back",
+                        header["version"], e)
+            if self._rank.main:
+                self._rank.client.wait_ready(ENGINE_BACK_S, 1)
+            return self._transport.send(header, items, sizes)
 
     def release(self) -> None:
         """Drop the memory kept from one sync to the next (send buffers, the cuda_ipc buffer), e.g.
