@@ -114,3 +114,38 @@ def test_group_spec_validates():
         WeightGroupSpec(host="h", port=0, world_size=2)
     spec = WeightGroupSpec(host="h", port=5, world_size=3, rank=1, backend="nccl")
     assert spec.with_rank(2).rank == 2 and spec.with_rank(2).with_rank(1) == spec
+
+
+def test_a_relay_passes_every_broadcast_on_to_its_nodes_group():
+    """Sender (rank 0) -> relay (rank 1 of the sender's group, rank 0 of "relay/n1") -> two
+    members of "relay/n1" and a plain member (rank 2): every receiver gets the sender's bits, and
+    the sender's group has 3 ranks instead of 5."""
+    tensors = _mixed()
+    dtypes, shapes = _header(tensors)
+    sizes = plan_buckets([t.numel() * t.element_size() for t in tensors], 100)
+    port = free_port()
+    top = WeightGroupSpec(host="127.0.0.1", port=port, world_size=3, rank=0, timeout_s=30)
+    specs = {"relay": msgspec.structs.replace(top, rank=1, relay_prefix="relay/n1", relay_size=3),
+             "plain": top.with_rank(2),
+             "r1": msgspec.structs.replace(top, rank=1, world_size=3, prefix="relay/n1"),
+             "r2": msgspec.structs.replace(top, rank=2, world_size=3, prefix="relay/n1")}
+    got: dict[str, list] = {}
+
+    def receiver(name):
+        group = WeightGroup(specs[name])
+        got[name] = [_bits(v) for _, _, views in receive_buckets(group, dtypes, shapes, sizes) for v in views]
+        group.close()
+
+    threads = [threading.Thread(target=receiver, args=(n,)) for n in specs]
+    for t in threads:
+        t.start()
+    sender = WeightGroup(top)
+    for lo, hi in bucket_ranges(sizes, len(tensors)):
+        sender.broadcast(_pack(tensors[lo:hi]))
+    for t in threads:
+        t.join(30)
+    sender.close()
+    want = [_bits(t) for t in tensors]
+    assert sorted(got) == sorted(specs) and all(v == want for v in got.values())
+    with pytest.raises(ValueError, match="relay_size >= 2"):
+        msgspec.structs.replace(top, relay_prefix="relay/x")

@@ -162,3 +162,57 @@ def _node_ip() -> str:
     import ray
 
     return ray.util.get_node_ip_address()
+
+
+def test_engines_on_two_nodes_take_collective_updates_through_one_relay_per_node(aio, models, tools):
+    """Four hf engines on a Ray cluster of two nodes (``ray.cluster_utils.Cluster``, 2 CPUs each,
+    so two engines a node): the weight group the daemon builds has one relay per node in the
+    sender's group (sender + 2 relays + the keeper: 4 ranks, not 6), each passing the buckets on
+    to its node's other engine; every engine ends with bit-identical weights, model "b"'s."""
+    from ray.cluster_utils import Cluster
+
+    from treadle.common.records import CollectiveWeights
+    from treadle.common.weights import WeightGroup, plan_buckets
+
+    from .conftest import _daemon
+
+    tmp = tempfile.mkdtemp(prefix="trc", dir="/tmp")
+    with pytest.MonkeyPatch.context() as mp:
+        for name, value in (("RAY_TMPDIR", tmp), ("RAY_USAGE_STATS_ENABLED", "0"), ("RAY_AUTH_MODE", "disabled")):
+            mp.setenv(name, value)
+        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
+        d = None
+        try:
+            cluster.add_node(num_cpus=2)
+            d = _daemon("ray4", ["--model", str(models["a"]), "--engines", "4", "--backend", "hf",
+                                 "--engine_placement", "ray", "--ray.address", cluster.address,
+                                 "--start_timeout_s", "120"], aio, tools, 4)
+            b = tools.checkpoint(models["b"])
+            header = {"names": list(b), "dtypes": ["float32"] * len(b), "shapes": [list(t.shape) for t in b.values()]}
+            sizes = plan_buckets([t.numel() * 4 for t in b.values()], 64 << 10)
+
+            async def sync(rc):
+                before = await rc.weight_digest()
+                joined, group = await rc.join_weight_group(_node_ip(), tools.free_port(), timeout_s=60,
+                                                           sender=WeightGroup)
+                upd = CollectiveWeights(version=1, **header, bucket_sizes=sizes, group=group.spec)
+                report = await rc.update_weights(upd, send=lambda: tools.send_buckets(group, list(b.values()), sizes))
+                stats = await rc.stats()
+                digests = await rc.weight_digest()
+                await rc.leave_weight_group()
+                group.close()
+                return before, joined, report, stats, digests
+
+            before, joined, report, stats, digests = d.call(aio, sync, timeout=200)
+        finally:
+            if d is not None:
+                d.stop()
+            cluster.shutdown()
+    nodes = {e["engine_id"]: e["node"] for e in stats["engines"]}
+    relays = stats["weight_group"]["relays"]
+    assert len(set(nodes.values())) == 2 and len(relays) == 2, (nodes, relays)
+    assert all(len(ids) == 2 and len({nodes[i] for i in ids}) == 1 for ids in relays.values())  # per node
+    assert joined["world_size"] == 4 and joined["keeper_rank"] == 3  # sender + one relay a node + keeper
+    assert sorted(report["updated"]) == ["e0", "e1", "e2", "e3"]
+    assert len(set(digests.values())) == 1 and len(digests) == 4
+    assert set(digests.values()) != set(before.values())  # changed: model "b"'s, not "a"'s any more

@@ -248,3 +248,21 @@ def test_sleep_with_a_bad_level_is_a_bad_request_naming_it(level, tmp_path):
     with pytest.raises(BadRequest, match=r"integer level, got level=") as e:
         asyncio.run(server.sleep(Control(op="sleep", args={"level": level}), None))
     assert repr(level) in str(e.value) and server.pool.sleeping == 0  # refused before anything changed
+
+
+def test_the_weight_group_relays_per_node_only_across_nodes_with_one_rank_engines():
+    from treadle.common.records import WeightGroupSpec
+    from treadle.rollout.updates import relay_layout
+
+    flat = relay_layout([("e0", "local"), ("e1", "local"), ("e2", "local")], 1)  # one node: nothing to save
+    assert (flat.ranks, flat.relays, flat.world_size) == ({"e0": 1, "e1": 2, "e2": 3}, {}, 4)
+    two = relay_layout([("e0", "a"), ("e1", "b"), ("e2", "a"), ("e3", "a"), ("e4", "b"), ("e5", "c")], 1)
+    assert two.relays == {"relay/a": ("e0", "e2", "e3"), "relay/b": ("e1", "e4")}
+    assert two.ranks == {"e0": 1, "e1": 2, "e2": 1, "e3": 2, "e4": 1, "e5": 3} and two.world_size == 4
+    top = WeightGroupSpec(host="h", port=9, world_size=5, rank=0)  # + the keeper
+    relay, follower, alone = (two.spec_of(e, top) for e in ("e0", "e3", "e5"))
+    assert (relay.rank, relay.relay_prefix, relay.relay_size, relay.prefix) == (1, "relay/a", 3, "")
+    assert (follower.rank, follower.world_size, follower.prefix, follower.relay_prefix) == (2, 3, "relay/a", "")
+    assert (alone.rank, alone.world_size, alone.prefix) == (3, 5, "")
+    tp2 = relay_layout([("e0", "a"), ("e1", "a"), ("e2", "b")], 2)  # a worker's rank is its first's + w
+    assert (tp2.ranks, tp2.relays, tp2.world_size) == ({"e0": 1, "e1": 3, "e2": 5}, {}, 7)

@@ -315,10 +315,23 @@ class WeightGroupSpec(Record, frozen=True):
     """gloo on CPU, nccl between GPUs."""
     timeout_s: float = 120.0
     """How long joining and each broadcast may take."""
+    prefix: str = ""
+    """The group's name in the sender's store: "" for the sender's own group; a node's relay group
+    (``relay_prefix`` of its rank 0) otherwise, whose members receive from that rank 0, not the sender."""
+    relay_prefix: str = ""
+    """Set on one member per node (a relay): it passes every broadcast it receives on to the node's
+    relay group of this name, as that group's rank 0; "": none."""
+    relay_size: int = 0
+    """Members of that relay group, the relay included."""
 
     def __post_init__(self) -> None:
         if self.world_size < 2:
             raise ValueError(f"WeightGroupSpec.world_size must be >= 2 (sender + engine), got {self.world_size}")
+        if bool(self.relay_prefix) != (self.relay_size >= 2):
+            raise ValueError(f"WeightGroupSpec.relay_prefix {self.relay_prefix!r} needs relay_size >= 2, got "
+                             f"{self.relay_size}")
+        if self.relay_prefix and self.relay_prefix == self.prefix:
+            raise ValueError(f"WeightGroupSpec.relay_prefix {self.relay_prefix!r} names the member's own group")
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"WeightGroupSpec.rank {self.rank} outside [0, {self.world_size})")
         if not 0 < self.port < 65536:

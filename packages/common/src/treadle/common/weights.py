@@ -12,7 +12,10 @@ their sizes (``bucket_sizes``).
 ``WeightGroup`` is the collective transport's group: a stateless torch.distributed group that the
 sender (rank 0, hosting the ``TCPStore``) and each engine worker build directly on a store,
 without a default process group, so neither side's own ``torch.distributed`` state (vLLM
-initialises one in its workers) is touched; gloo on CPU, NCCL between GPUs.
+initialises one in its workers) is touched; gloo on CPU, NCCL between GPUs. A per-node relay
+(``WeightGroupSpec.relay_prefix``) is a member of the sender's group that also roots a group of
+its node's other members, named in the same store, and passes each broadcast on to it: the
+network carries one copy per node, the node's own links the rest.
 
 Importing this module imports no torch; the functions that need it import it when called.
 
@@ -146,35 +149,49 @@ class WeightGroup:
         # awaited by the process group's constructor, whose timeout names the knob.
         store = dist.TCPStore(spec.host, spec.port, spec.world_size, spec.rank == 0, timeout=timeout,
                               wait_for_workers=False)
-        prefixed = dist.PrefixStore(_PREFIX, store)
-        if spec.backend == "gloo":
-            self._pg = dist.ProcessGroupGloo(prefixed, spec.rank, spec.world_size, timeout)
-        else:
-            opts = dist.ProcessGroupNCCL.Options()
-            opts._timeout = timeout
-            self._pg = dist.ProcessGroupNCCL(prefixed, spec.rank, spec.world_size, opts)
+        self._pg = _process_group(store, spec.prefix, spec.rank, spec.world_size, spec.backend, timeout)
+        # A relay joins its node's group once the sender's group stands (that group's members wait
+        # for it there): a broadcast it receives then costs the network one copy for the whole node.
+        self._relay = None if not spec.relay_prefix else _process_group(
+            store, spec.relay_prefix, 0, spec.relay_size, spec.backend, timeout)
         self._store = store
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
         """In place: every member's ``tensor`` becomes rank ``src``'s (same shape and dtype)."""
         if self._pg is None:
             raise BadRequest(f"weight group {self.spec.host}:{self.spec.port} is closed")
-        if self.spec.backend == "nccl":
-            import torch
+        groups = [(self._pg, src)] + ([(self._relay, 0)] if self._relay is not None else [])
+        for pg, root in groups:  # a relay passes what it received on to its node's group
+            if self.spec.backend == "nccl":
+                import torch
 
-            with torch.cuda.device(tensor.device):  # NCCL streams are per device and thread
-                self._pg.broadcast(tensor, src).wait()
-            return
-        self._pg.broadcast(tensor, src).wait()
+                with torch.cuda.device(tensor.device):  # NCCL streams are per device and thread
+                    pg.broadcast(tensor, root).wait()
+            else:
+                pg.broadcast(tensor, root).wait()
 
     def close(self) -> None:
         """Drop the group; the other members need not close with it (a daemon leaves one sender's
         group to join another's): the process group is aborted, not shut down, since a graceful
         shutdown waits for work that may wait for members that never come."""
-        pg, self._pg, self._store = self._pg, None, None
-        stop = getattr(pg, "abort", None) or getattr(pg, "shutdown", None)
-        if stop is not None:
-            stop()
+        pgs, self._pg, self._relay, self._store = (self._pg, self._relay), None, None, None
+        for pg in pgs:
+            stop = getattr(pg, "abort", None) or getattr(pg, "shutdown", None)
+            if pg is not None and stop is not None:
+                stop()
+
+
+def _process_group(store: object, prefix: str, rank: int, size: int, backend: str,
+                   timeout: datetime.timedelta) -> object:
+    """A gloo / NCCL process group named ``prefix`` on the sender's ``store``."""
+    import torch.distributed as dist
+
+    prefixed = dist.PrefixStore(f"{_PREFIX}/{prefix}" if prefix else _PREFIX, store)
+    if backend == "gloo":
+        return dist.ProcessGroupGloo(prefixed, rank, size, timeout)
+    opts = dist.ProcessGroupNCCL.Options()
+    opts._timeout = timeout
+    return dist.ProcessGroupNCCL(prefixed, rank, size, opts)
 
 
 def send_buckets(group: WeightGroup, tensors: Sequence[torch.Tensor], bucket_sizes: Sequence[int]) -> None:

@@ -132,7 +132,7 @@ class RayProcess:
             code = int(await _ref(wait_ref))
         except ray.exceptions.RayError as e:
             code = DIED
-            self.error = f"its Ray actor died on node {self.node}: {type(e).__name__}: {str(e).splitlines()[0][:300]}"
+            self.error = f"its Ray actor died (node {self.node}): {type(e).__name__}: {str(e).splitlines()[0][:300]}"
         self._returncode = code
         return code
 
@@ -192,7 +192,7 @@ class RayStarter:
         where = await _ref(actor.prepare.remote())
         spec = dataclasses.replace(self.spec, endpoint=f"tcp://{where['node_ip']}:{where['port']}")
         pid = await _ref(actor.start.remote(spec.to_json(), e.worker_env, e.server_keys))
-        self._proc = RayProcess(actor, pid, where["node_ip"], actor.wait.remote())
+        self._proc = RayProcess(actor, pid, where["node_id"], actor.wait.remote())
         log.info("engine %s: worker %d on Ray node %s (%s), serving %s", engine_id, pid, where["node_id"],
                  where["node_ip"], spec.endpoint)
         return self._proc, spec.endpoint, e.client_curve

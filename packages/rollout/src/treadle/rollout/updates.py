@@ -72,10 +72,11 @@ class Group:
     """The weight-broadcast group the pool's engines (and the keeper) joined."""
 
     spec: WeightGroupSpec  # the sender's (rank 0)
-    members: dict[str, int]  # engine id -> its first rank
+    members: dict[str, int]  # engine id -> its first rank (in its relay's group for a relayed engine)
     keeper_rank: int  # the front end's rank; -1: not a member
     epoch: int  # the pool's membership epoch when the group was built
     keeper: Any = field(default=None, repr=False)  # the front end's WeightGroup
+    relays: dict[str, list[str]] = field(default_factory=dict)  # relay group -> engine ids, its relay first
 
     @property
     def endpoint(self) -> str:
@@ -110,7 +111,8 @@ class WeightCoordinator:
         if g is None:
             return {"joined": False, "kept_version": kept}
         return {"joined": True, "world_size": g.spec.world_size, "members": dict(g.members),
-                "keeper_rank": g.keeper_rank, "stale": self.stale_reason(), "kept_version": kept}
+                "keeper_rank": g.keeper_rank, "relays": {k: list(v) for k, v in g.relays.items()},
+                "stale": self.stale_reason(), "kept_version": kept}
 
     # ------------------------------------------------------------------ catch-up
 
@@ -277,9 +279,9 @@ class WeightCoordinator:
             members = self.pool.live(UPDATABLE)
             if not members:
                 raise NoEngine("no live engine to join a weight group")
-            ranks, r = {}, 1
-            for h in members:
-                ranks[h.engine_id], r = r, r + self.pool.cfg.ranks_per_engine
+            layout = relay_layout([(h.engine_id, h.proc.node if h.proc is not None else "") for h in members],
+                                  self.pool.cfg.ranks_per_engine)
+            r = layout.world_size
             # NCCL allows one rank per GPU and the engines hold them: the keeper joins gloo groups only.
             keeper_rank = r if self.pool.cfg.keep_weights and request["backend"] == "gloo" else -1
             try:
@@ -287,15 +289,17 @@ class WeightCoordinator:
             except ValueError as e:
                 raise BadRequest(f"join_weight_group: {e}") from None
             epoch = self._epoch
+            ranks = layout.ranks
             yield Control(op="accepted", args={**msgspec.structs.asdict(spec), "ranks": ranks,
                                                "keeper_rank": keeper_rank})
-            calls = [h.call("join_weight_group", spec.with_rank(ranks[h.engine_id])) for h in members]
+            calls = [h.call("join_weight_group", layout.spec_of(h.engine_id, spec)) for h in members]
             if keeper_rank > 0:
                 calls.append(asyncio.to_thread(_make_group, spec.with_rank(keeper_rank)))
             replies = await asyncio.gather(*calls, return_exceptions=True)
             keeper = replies.pop() if keeper_rank > 0 else None
             self.group = Group(spec=spec, members=ranks, keeper_rank=keeper_rank, epoch=epoch,
-                               keeper=None if isinstance(keeper, BaseException) else keeper)
+                               keeper=None if isinstance(keeper, BaseException) else keeper,
+                               relays={k: list(v) for k, v in layout.relays.items()})
             for h in members:
                 h.base_rank = ranks[h.engine_id]
             err = next((x for x in [*replies, keeper] if isinstance(x, BaseException)), None)
@@ -324,6 +328,50 @@ class WeightCoordinator:
     async def close(self) -> None:
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self.leave(), 10.0)
+
+
+@dataclass(frozen=True, slots=True)
+class RelayLayout:
+    """Who receives from whom in one weight group (``relay_layout``)."""
+
+    ranks: dict[str, int]  # engine id -> first rank, in the sender's group or in its relay's
+    relays: dict[str, tuple[str, ...]]  # relay group name -> its engines, the relay (in the sender's group) first
+    world_size: int  # the sender's group: the sender + its members' ranks (a keeper comes on top)
+
+    def spec_of(self, engine_id: str, top: WeightGroupSpec) -> WeightGroupSpec:
+        """The spec engine ``engine_id`` joins with (``top``: the sender's group, rank 0)."""
+        for name, engines in self.relays.items():
+            if engine_id == engines[0]:
+                return msgspec.structs.replace(top, rank=self.ranks[engine_id], relay_prefix=name,
+                                               relay_size=len(engines))
+            if engine_id in engines:
+                return msgspec.structs.replace(top, rank=self.ranks[engine_id], world_size=len(engines), prefix=name)
+        return top.with_rank(self.ranks[engine_id])
+
+
+def relay_layout(engines: list[tuple[str, str]], ranks_per_engine: int) -> RelayLayout:
+    """The weight group of ``engines`` ((engine id, node) in join order).
+
+    Flat (every engine a member of the sender's group, ``ranks_per_engine`` ranks each) unless the
+    engines span two or more nodes: then the engines of a node with two or more of them form a
+    relay group, whose first engine is the node's one member of the sender's group and passes every
+    broadcast on to the others (rank 0 of that group), so the network carries one copy per node
+    instead of one per engine. Engines of several ranks (tensor / pipeline parallel) stay flat:
+    their workers derive their ranks from the first one's, which a relay would break.
+    """
+    by_node: dict[str, list[str]] = {}
+    for engine_id, node in engines:
+        by_node.setdefault(node, []).append(engine_id)
+    relayed = len(by_node) >= 2 and ranks_per_engine == 1
+    relays = {f"relay/{node}": tuple(ids) for node, ids in by_node.items() if relayed and len(ids) >= 2}
+    followers = {e: k for ids in relays.values() for k, e in enumerate(ids) if k}
+    ranks, r = {}, 1
+    for engine_id, _ in engines:
+        if engine_id in followers:
+            ranks[engine_id] = followers[engine_id]
+        else:
+            ranks[engine_id], r = r, r + ranks_per_engine
+    return RelayLayout(ranks=ranks, relays=relays, world_size=r)
 
 
 def _group_args(args: dict[str, Any]) -> dict[str, Any]:
