@@ -110,3 +110,32 @@ def test_a_launcher_killed_hard_still_stops_its_daemons(task, helpers, tmp_path)
     proc.kill()  # no teardown: the components learn of it through their parent-death signal
     proc.communicate()
     helpers.wait_for(lambda: not helpers.survivors(seen), 60, what="the daemon and its worker to stop")
+
+
+def test_a_reward_model_given_devices_of_its_own_is_served_by_a_reward_daemon(tiny, task, helpers, tmp_path):
+    """``--reward.num_gpus_per_node 1`` beside an actor of 2 ranks, no colocation flag: the reward
+    model runs apart (OpenRLHF's meaning), in a reward daemon the launcher starts with ``--rm.path``;
+    the trainer scores through it and trains both steps."""
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    torch.manual_seed(0)
+    rm_dir = tmp_path / "rm"  # the tiny model with a seeded value head: a reward model
+    AutoModelForSequenceClassification.from_pretrained(tiny, num_labels=1).save_pretrained(rm_dir)
+    AutoTokenizer.from_pretrained(tiny).save_pretrained(rm_dir)
+    run = tmp_path / "run"
+    flags = helpers.ppo_flags(tiny, task, tmp_path, "--vllm.backend", "hf", "--reward.model_name_or_path", str(rm_dir),
+                              "--reward.num_gpus_per_node", "1")
+    values = {"--actor.num_gpus_per_node": "2", "--train.micro_batch_size": "4", "--rollout.micro_batch_size": "4"}
+    flags = [values.get(flags[i - 1], f) if i else f for i, f in enumerate(flags)]
+    proc = helpers.launch(["--run_dir", str(run), "--trainer.ranks", "2", *ROLLOUT, "--", "ppo", *flags])
+    out = helpers.finish(proc, 400)
+    assert proc.returncode == 0, out[-6000:]
+    comps = helpers.run_json(run)["components"]
+    assert {n: c["exit_code"] for n, c in comps.items()} == {"rollout": 0, "rewards": 0, "trainer": 0}
+    rewards, trainer = comps["rewards"]["cmd"], comps["trainer"]["cmd"]
+    assert rewards[rewards.index("--rm.path") + 1] == str(rm_dir)
+    assert "--reward.remote_url" in trainer and "--reward.model_name_or_path" not in trainer
+    assert "--reward.num_gpus_per_node" not in trainer
+    rows = [json.loads(line) for line in (tmp_path / "ckpt" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2] and all(r["reward_failed"] == 0 for r in rows)

@@ -513,3 +513,37 @@ def test_engines_as_ray_actors_on_two_nodes_survive_losing_one_mid_round(tiny, t
     used = [u for step in sorted(lineage) for u in lineage[step]]
     assert sorted(lineage) == list(range(1, steps + 1)) and len(used) == steps * 8
     assert len(set(used)) == len(used) and not pending
+
+
+RM_APART = ["--reward.model_name_or_path", "RM", "--reward.num_gpus_per_node", "1", "--actor.num_gpus_per_node", "2"]
+
+
+def test_a_reward_model_apart_becomes_a_reward_daemon_and_the_rest_stays_in_the_ranks():
+    plan = plan_of("--backend", "ray", "--trainer.ranks", "2", "--trainer.num_gpus_per_rank", "1",
+                   "--rewards.node_labels", "role=rm", "--", "rollout", "--", "ppo", *PPO, *RM_APART,
+                   "--algo.advantage.estimator", "gae", "--ds.param_dtype", "bf16", "--reward.normalize_enable")
+    rewards = plan.daemon("rewards")
+    assert rewards.args == ("serve", "--rm.path", "RM", "--rm.dtype", "bf16", "--rm.max_len", "40", "--rm.normalize")
+    assert rewards.num_gpus == 1 and selectors_of(plan)[bundles_of(plan)[1]["rewards"]] == {"role": "rm"}
+    t = plan.trainer_cfg
+    assert t.reward.model_name_or_path is None and t.reward.remote_url and t.reward.num_gpus_per_node is None
+    assert t.critic.model_name_or_path == "RM"  # the critic still starts from the reward model, as OpenRLHF's
+    assert plan.cfg.trainer.args == make_plan(plan.cfg).cfg.trainer.args  # idempotent (a restart plans again)
+    # counts equal to the actor's: in the trainer's ranks, as before; colocated: the ranks' own check
+    inside = plan_of("--backend", "ray", "--trainer.ranks", "2", "--", "rollout", "--", "ppo", *PPO, *RM_APART,
+                     "--reward.num_gpus_per_node", "2")
+    assert inside.daemon("rewards") is None and inside.trainer_cfg.reward.model_name_or_path == "RM"
+    with pytest.raises(ConfigError, match="runs in the trainer's ranks"):
+        plan_of("--backend", "ray", "--trainer.ranks", "2", "--", "rollout", "--", "ppo", *PPO, *RM_APART,
+                "--train.colocate_all", "--vllm.num_engines", "2")
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--reward.num_gpus_per_node", "2", "--actor.num_gpus_per_node", "4"], "on one device"),
+])
+def test_what_a_reward_model_apart_cannot_be_is_refused(extra, message):
+    with pytest.raises(ConfigError, match=message):
+        plan_of("--backend", "ray", "--trainer.ranks", "4", "--", "rollout", "--", "ppo", *PPO, *RM_APART, *extra)
+    with pytest.raises(ConfigError, match="a `-- rewards` section already"):
+        plan_of("--backend", "ray", "--trainer.ranks", "2", "--", "rollout", "--", "rewards", "--functions", "math",
+                "--", "ppo", *PPO, *RM_APART)

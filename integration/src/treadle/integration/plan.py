@@ -328,8 +328,81 @@ def trainer_config(cfg: LaunchConfig) -> Any:
         raise ConfigError(f"`-- {command}`: {e}") from None
 
 
+REWARD_PLACEMENT = ("--reward.num_nodes", "--reward.num_gpus_per_node")
+"""ppo flags that, without --train.colocate_critic_reward / --train.colocate_all, put the reward
+model on devices of its own (OpenRLHF's meaning): the launcher serves it in a reward daemon."""
+
+
+def without_flags(args: Sequence[str], names: Sequence[str]) -> list[str]:
+    """``args`` less every flag named in ``names`` (and its values)."""
+    return [t for flag, values in flag_items(args) if flag_name(flag) not in names for t in (flag, *values)]
+
+
+def place_reward_model(cfg: LaunchConfig) -> LaunchConfig:
+    """``-- ppo --reward.model_name_or_path RM --reward.num_gpus_per_node G`` (or ``--reward.num_nodes``)
+    other than the actor's, without ``--train.colocate_critic_reward`` / ``--train.colocate_all``:
+    the reward model on GPUs of its own, as OpenRLHF places it. (Counts equal to the actor's keep
+    it in the trainer's ranks, treadle's default, where OpenRLHF would still give it devices of its
+    own: a command that ran before runs the same.) The launcher does it with a reward daemon serving RM
+    (``treadle-rewards serve --rm.path RM``, its dtype and normalisation from the ppo flags) on
+    ``G`` GPUs of its own under ``--backend ray`` (CPU processes on a CPU-only cluster, or with
+    the local backend), and the trainer scores through it (``--reward.remote_url``, wired as for a
+    ``-- rewards`` section). The critic still starts from RM (``--critic.model_name_or_path``) when
+    it would have. Anything else is returned unchanged (colocated, the reward model runs in the
+    trainer's ranks; so does a PRM). One daemon serves one model on one device: more GPUs, or a
+    ``-- rewards`` section of the user's own, are refused.
+
+    Scoring differs in one way from the trainer's own: the daemon scores the decoded text, which it
+    tokenises again (as OpenRLHF's remote reward models do), where the ranks score token ids.
+    """
+    t = cfg.trainer
+    if t.command != "ppo" or not given_names(t.args) & set(REWARD_PLACEMENT):
+        return cfg
+    import dataclasses  # noqa: PLC0415
+
+    from treadle.integration.config import RewardsLaunch  # noqa: PLC0415
+
+    stripped = without_flags(t.args, REWARD_PLACEMENT)
+    # Parsed without the placement flags and without a `-- rewards` section (its wired remote_url
+    # would clash with the model path): what remains says whether the model goes apart.
+    ppo = trainer_config(dataclasses.replace(cfg, rewards=RewardsLaunch(),
+                                             trainer=dataclasses.replace(t, args=tuple(stripped))))
+    r, train = ppo.reward, ppo.train
+    counts = {f: flag_value(t.args, f) for f in REWARD_PLACEMENT}
+    actor = {"--reward.num_nodes": str(ppo.actor.num_nodes), "--reward.num_gpus_per_node": str(ppo.actor.num_gpus_per_node)}
+    same = all(v is None or v == actor[f] for f, v in counts.items())
+    if same or train.colocate_all or train.colocate_critic_reward or not r.model_name_or_path:
+        return cfg  # in the trainer's ranks: the trainer's own check of the counts applies
+    devices = 1
+    for f, v in counts.items():
+        if v is not None:
+            try:
+                devices *= int(v)
+            except ValueError:
+                raise ConfigError(f"`-- ppo` {f} {v}: a count") from None
+    where = ", ".join(f"{f} {v}" for f, v in counts.items() if v is not None)
+    if devices != 1:
+        raise ConfigError(f"`-- ppo` {where}: a reward model placed apart is served by one reward daemon on one "
+                          "device; give 1 (or --train.colocate_critic_reward to score in the trainer's ranks)")
+    if cfg.rewards.args is not None:
+        raise ConfigError(f"`-- ppo` {where}: the launcher would serve the reward model in a reward daemon, but there "
+                          "is a `-- rewards` section already: give it --rm.path there (and drop the ppo flags), or "
+                          "add --train.colocate_critic_reward")
+    rm = ["--rm.path", r.model_name_or_path, "--rm.dtype", ppo.ds.param_dtype,
+          "--rm.max_len", str(ppo.max_len), "--rm.normalize" if r.normalize_enable else "--rm.no_normalize"]
+    trainer = without_flags(stripped, ("--reward.model_name_or_path", "--reward.normalize_enable",
+                                       "--reward.no_normalize_enable", "--reward.offload", "--reward.no_offload"))
+    if ppo.critic_origin == "--reward.model_name_or_path":  # OpenRLHF starts the critic from the RM
+        trainer += ["--critic.model_name_or_path", r.model_name_or_path]
+    gpus_per_rank = cfg.trainer.num_gpus_per_rank
+    rewards = RewardsLaunch(args=tuple(rm), num_gpus=1 if gpus_per_rank else 0,
+                            num_cpus=cfg.rewards.num_cpus, node_labels=cfg.rewards.node_labels)
+    return dataclasses.replace(cfg, rewards=rewards, trainer=dataclasses.replace(t, args=tuple(trainer)))
+
+
 def make_plan(cfg: LaunchConfig) -> Plan:
     """Check every section and derive each daemon's flags (raises ConfigError naming the section)."""
+    cfg = place_reward_model(cfg)
     tcfg = trainer_config(cfg)
     ppo = tcfg if cfg.trainer.command == "ppo" else None
     builders = {"rollout": lambda: rollout_plan(cfg, ppo), "rewards": lambda: rewards_plan(cfg),

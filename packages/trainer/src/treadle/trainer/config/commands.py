@@ -439,9 +439,11 @@ def _check_placements(cfg: PPOConfig) -> None:
                  ("num_gpus_per_node", other.num_gpus_per_node, a.num_gpus_per_node)) if mine is not None]
         if any(mine != theirs for _, mine, theirs in given):
             flags = ", ".join(f"--{role}.{name} {mine}" for name, mine, _ in given)
+            apart = (" (under treadle-launch or train_ppo_ray, a reward model given 1 x 1 and no "
+                     "--train.colocate_critic_reward is served apart by a reward daemon)") if role == "reward" else ""
             raise ConfigError(
                 f"{flags}: {what} runs in the trainer's ranks beside the actor (a placement of its own is not "
-                f"implemented): leave it unset or equal to the actor's (--actor.num_nodes {a.num_nodes} x "
+                f"implemented here{apart}): leave it unset or equal to the actor's (--actor.num_nodes {a.num_nodes} x "
                 f"--actor.num_gpus_per_node {a.num_gpus_per_node})")
 
 
