@@ -211,3 +211,43 @@ def test_a_trainer_refusing_a_data_row_is_not_restarted(tiny, helpers, tmp_path)
     (only,) = record["attempts"]
     assert only["exit_codes"] == {"trainer": TRAINER_CONFIG_ERROR} and not only["restarted"]
     assert "row 1: key 'prompt'" in (run / "trainer.log").read_text()
+
+
+def test_a_trainer_killed_mid_run_restarts_alone_while_its_daemons_keep_serving(tiny, task, helpers, tmp_path):
+    """The local backend with a rollout and a reward daemon, ``--max_restarts 1``: the trainer is
+    SIGKILLed after its first checkpoint. The launcher starts the trainer again from that
+    checkpoint in the same attempt, the daemons untouched (same pids, no restart of the run);
+    the run finishes every step with exit 0 and trains each trajectory once."""
+    import os
+    import signal
+
+    from treadle.integration.restart import checkpoint_step
+    from treadle.trainer.rl.trajlog import TrajectoryLog
+
+    run, ckpt = tmp_path / "run", tmp_path / "ckpt"
+    flags = helpers.ppo_flags(tiny, task, tmp_path, "--vllm.backend", "hf", "--data.max_samples", "8",
+                              "--ckpt.save_steps", "1")  # 4 steps, a checkpoint after each
+    proc = helpers.launch(["--run_dir", str(run), "--max_restarts", "1", "--restart_backoff_s", "0",
+                           "--stop_timeout_s", "10", "--", "rollout", "--backend", "hf", "--no_cpu_bind",
+                           "--", "rewards", "--functions", str(task.reward), "--workers.num_workers", "1",
+                           "--", "ppo", *flags])
+    helpers.wait_for(lambda: checkpoint_step(ckpt), 300, proc, "the first checkpoint")
+    before = helpers.run_json(run)["components"]
+    os.killpg(before["trainer"]["pid"], signal.SIGKILL)
+    out = helpers.finish(proc, 300)
+    assert proc.returncode == 0, out[-6000:]
+    record = helpers.run_json(run)
+    assert record["attempt"] == 1 and len(record["attempts"]) == 1  # one attempt: not a whole restart
+    (restart,) = record["trainer_restarts"]
+    assert restart["failed"] == "trainer" and restart["checkpoint_step"] >= 1
+    comps = record["components"]
+    assert {n: comps[n]["pid"] for n in ("rollout", "rewards")} == {n: before[n]["pid"] for n in ("rollout", "rewards")}
+    assert comps["trainer"]["pid"] != before["trainer"]["pid"] and "--ckpt.load_enable" in comps["trainer"]["cmd"]
+    assert (run / "trainer.restart-1.log").is_file() and "restarting the trainer from step" in out
+    rows = [json.loads(line) for line in (ckpt / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["step"] == 4 and {r["step"] for r in rows} == {1, 2, 3, 4}
+    with TrajectoryLog(ckpt / "trajectories") as tl:
+        lineage = tl.lineage(4)
+        pending = tl.recover(4).pending
+    used = [u for step in sorted(lineage) for u in lineage[step]]
+    assert sorted(lineage) == [1, 2, 3, 4] and len(used) == 4 * 8 and len(set(used)) == len(used) and not pending

@@ -178,10 +178,10 @@ class LaunchConfig:
     stop_timeout_s: float = 30.0
     """At teardown: seconds between SIGTERM and SIGKILL."""
     max_restarts: int = 0
-    """After a component fails (the trainer, a daemon, a Ray node with them): tear down, then start
-    the whole run again from the trainer's last checkpoint (--ckpt.load_enable), up to this many
-    times; not after Ctrl-C / SIGTERM, the trainer's config error, or an attempt that saved no new
-    checkpoint. 0: a failure ends the launch."""
+    """Restarts from the trainer's last checkpoint (--ckpt.load_enable), up to this many: the
+    trainer alone when it failed (its process or node) and the daemons run on; else everything is
+    torn down and the whole run started again. Not after Ctrl-C / SIGTERM, the trainer's config
+    error, or without a new checkpoint. 0: a failure ends the launch."""
     restart_backoff_s: float = 5.0
     """Seconds between an attempt's teardown and the next attempt's start (--max_restarts)."""
 

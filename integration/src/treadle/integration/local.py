@@ -32,6 +32,7 @@ from treadle.integration.plan import (
     trainer_groups,
 )
 from treadle.integration.procs import Tree, die_with_parent, free_ports, signal_group
+from treadle.integration.restart import TrainerRestarts, archive_trainer_logs
 from treadle.integration.supervise import (
     ComponentFailed,
     Interrupted,
@@ -104,10 +105,17 @@ def run_local(plan: Plan, run_dir: Path, stop: threading.Event, prior: dict[str,
         addresses = start_daemons(plan, sup, run_dir, environ)
         for d in plan.daemons:
             sup.wait_ready(d.name, probe_for(d.name, addresses), cfg.start_timeout_s)
+        restarts = TrainerRestarts(plan, prior)
         if trainers:
             sup.add(LocalProcess(trainers[0], trainer_argv(cfg, addresses), run_dir / "trainer.log", environ))
         print(ready_banner(plan, addresses, run_dir), flush=True)
         outcome = sup.watch(trainers)
+        while trainers and (again := restarts.next_plan(outcome, sup.exit_of(outcome.failed), sup.daemons_alive(trainers))):
+            sup.stop_parts(trainers)
+            archive_trainer_logs(run_dir, trainers, len(restarts.done))
+            record.update(trainer_restarts=restarts.done)
+            sup.add(LocalProcess(trainers[0], trainer_argv(again.cfg, addresses), run_dir / "trainer.log", environ))
+            outcome = sup.watch(trainers)
     except ComponentFailed as e:
         outcome = sup.failed(e)
     except Interrupted:

@@ -36,9 +36,11 @@ torchrun), then SIGKILL of every process the actor started, ``ray.kill`` and the
 group's removal. An actor in the launcher's own pid namespace (same machine) is signalled and
 its process tree tracked directly; one on another machine through a task pinned to its node
 (``NodeAffinitySchedulingStrategy``), which signals the actor's process tree as it is then.
-Not here: the supervision policy (``supervise``), recovery from a lost node (a component on a
-node that dies fails the attempt, as any component's death does; with ``--max_restarts``
-``restart`` then runs the whole plan again, placed anew, from the trainer's last checkpoint).
+Not here: the supervision policy (``supervise``), the restart rules (``restart``). A trainer part
+that fails (its node lost with it) while the daemons run is started again in its bundle, which
+Ray places anew when its node died, from the last checkpoint (``restart.TrainerRestarts``); any
+other component's failure ends the attempt, and ``--max_restarts`` then runs the whole plan
+again, placed anew.
 """
 
 from __future__ import annotations
@@ -88,6 +90,7 @@ from treadle.integration.plan import (
     trainer_groups,
 )
 from treadle.integration.procs import Tree, free_ports
+from treadle.integration.restart import TrainerRestarts, archive_trainer_logs
 from treadle.integration.supervise import (
     ComponentFailed,
     Interrupted,
@@ -335,18 +338,31 @@ def place(plan: Plan, stop: threading.Event) -> tuple[Any, dict[str, Any], dict[
                               f"{plan.cfg.ray.placement_timeout_s:g} s (--ray.placement_timeout_s); free now: "
                               f"{ray.available_resources()}; nodes' labels: "
                               f"{[n.get('Labels', {}) for n in ray.nodes() if n.get('Alive')]}")
-    actors, where = {}, {}
-    environ = env.forwarded_env()
-    for name, i in index.items():
-        opts = {"num_cpus": need[name]["CPU"], "num_gpus": need[name]["GPU"], "runtime_env": {"env_vars": environ},
-                "scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i)}
-        actors[name] = ComponentActor.options(**opts).remote()
     ports = {d.name: d.ports_needed for d in plan.daemons}
-    if plan.cfg.trainer.nodes > 1:
-        ports["trainer"] = 1  # torchrun's rendezvous, hosted by node rank 0
-    answers = ray.get([actors[n].prepare.remote(ports.get(n, 0)) for n in actors])
-    where = dict(zip(actors, answers, strict=True))
+    actors, where = new_actors(plan, pg, list(index), ports)
     return pg, actors, where
+
+
+def new_actors(plan: Plan, pg: Any, names: list[str], ports: dict[str, int],
+               timeout_s: float | None = None) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+    """A ``ComponentActor`` for each of ``names`` in its bundle of ``pg``, and its ``prepare`` answer
+    (``ports``: free ports it needs; the trainer's node rank 0 one more for torchrun's rendezvous).
+    A bundle whose node died is placed again by Ray when a node has room: ``timeout_s`` bounds the wait."""
+    _, index, need = bundles_of(plan)
+    environ = env.forwarded_env()
+    actors = {}
+    for name in names:
+        opts = {"num_cpus": need[name]["CPU"], "num_gpus": need[name]["GPU"], "runtime_env": {"env_vars": environ},
+                "scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index[name])}
+        actors[name] = ComponentActor.options(**opts).remote()
+    if plan.cfg.trainer.nodes > 1:
+        ports = {**ports, "trainer": 1}  # torchrun's rendezvous, hosted by node rank 0
+    try:
+        answers = ray.get([actors[n].prepare.remote(ports.get(n, 0)) for n in actors], timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        raise ComponentFailed(names[0], f"no room to place it again within {timeout_s:g} s "
+                                        "(--ray.placement_timeout_s)") from None
+    return actors, dict(zip(actors, answers, strict=True))
 
 
 def make_keys(run_dir: Path) -> Keys:
@@ -432,10 +448,25 @@ def run_ray(plan: Plan, run_dir: Path, stop: threading.Event, prior: dict[str, A
             curve = load_client_keys(keys.curve_dir)
         for d in plan.daemons:
             sup.wait_ready(d.name, probe_for(d.name, addresses, curve), cfg.start_timeout_s)
+        restarts = TrainerRestarts(plan, prior)
         if trainers:
             start_trainer(plan, sup, actors, where, run_dir, addresses, keys)
         print(ready_banner(plan, addresses, run_dir), flush=True)
         outcome = sup.watch(trainers)
+        while trainers and (again := restarts.next_plan(outcome, sup.exit_of(outcome.failed),
+                                                        sup.daemons_alive(trainers))):
+            sup.stop_parts(trainers)
+            for name in trainers:
+                with contextlib.suppress(Exception):
+                    ray.kill(actors[name], no_restart=True)
+            archive_trainer_logs(run_dir, trainers, len(restarts.done))
+            record.update(trainer_restarts=restarts.done)
+            fresh, placed = new_actors(again, pg, list(trainers), {}, timeout_s=cfg.ray.placement_timeout_s)
+            actors.update(fresh)
+            where.update(placed)
+            record.update(placement={n: {"node_id": w["node_id"], "node_ip": w["node_ip"]} for n, w in where.items()})
+            start_trainer(again, sup, actors, where, run_dir, addresses, keys)
+            outcome = sup.watch(trainers)
     except ComponentFailed as e:
         outcome = sup.failed(e)
     except Interrupted:

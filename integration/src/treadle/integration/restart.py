@@ -13,6 +13,10 @@ or a whole Ray node with what ran on it), ``restart_decision`` says whether to r
   trainer's 2) stops after one attempt instead of looping, and a restart always resumes from
   further on than the last one did.
 
+Inside an attempt, a failed trainer whose daemons still run is started again alone
+(``TrainerRestarts``, used by both backends); each such restart counts against ``--max_restarts``
+too, and ``run.json`` lists them in ``trainer_restarts``.
+
 The next attempt runs the whole plan again (new placement on Ray, new daemon addresses, new
 ports), the trainer with ``--ckpt.load_enable`` added when the user did not give it
 (``resumed_plan``): it loads the newest complete checkpoint and its trajectory log keeps every
@@ -116,6 +120,57 @@ def resumed_plan(plan: Plan) -> Plan:
     return make_plan(cfg)
 
 
+class TrainerRestarts:
+    """Restarts of the trainer alone within one attempt, its daemons kept serving.
+
+    When the part that failed is the trainer's (``trainer``, ``trainer.1``, ...: its process, or
+    the Ray node under it) and every daemon still runs, the backend stops the trainer's other parts
+    and starts the trainer again from its last checkpoint (``resumed_plan``) instead of ending the
+    attempt: the engines keep their loaded models and the weights they hold (the resumed trainer
+    sends its own as a newer version first), so a restart costs a trainer start, not a whole
+    launch. The same rules as for attempts decide (``restart_decision``: a new checkpoint since the
+    trainer started, not its config-error status), and each one uses one of ``--max_restarts``.
+    A daemon's failure still ends the attempt (``run_attempts`` then starts everything again).
+    """
+
+    def __init__(self, plan: Plan, prior: dict[str, Any] | None) -> None:
+        prior = prior or {}
+        self.plan = plan
+        self.root = checkpoint_root(plan)
+        self.left = int(prior.get("restarts_left", plan.cfg.max_restarts))
+        self.done: list[dict[str, Any]] = []
+        self.step = checkpoint_step(self.root)  # where the running trainer started from
+
+    def next_plan(self, outcome: Outcome, trainer_exit: int | None, daemons_alive: bool) -> Plan | None:
+        """The plan to start the trainer again with, or None when the attempt ends with ``outcome``."""
+        failed = outcome.failed or ""
+        if failed.split(".")[0] != "trainer" or not daemons_alive or self.left <= 0:
+            return None
+        after = checkpoint_step(self.root)
+        decision = restart_decision(outcome, attempt=1, max_restarts=1, trainer_exit=trainer_exit,
+                                    step_before=self.step, step_after=after)
+        if not decision.restart:
+            return None
+        self.left -= 1
+        self.done.append({"failed": failed, "reason": outcome.reason, "trainer_exit": trainer_exit,
+                          "checkpoint_step": after, "at": time.time()})
+        log.warning("restarting the trainer alone (the daemons keep serving): %s", decision.why,
+                    extra={"fields": {"restart": len(self.done), "restarts_left": self.left}})
+        print(f"treadle-launch: {failed} failed ({outcome.reason}); restarting the trainer from step {after}, "
+              "daemons kept", flush=True)
+        self.step = after
+        self.plan = resumed_plan(self.plan)
+        return self.plan
+
+
+def archive_trainer_logs(run_dir: Path, names: tuple[str, ...], restart: int) -> None:
+    """``<part>.log`` -> ``<part>.restart-<n>.log`` for each trainer part, before it starts again."""
+    for name in names:
+        p = run_dir / f"{name}.log"
+        if p.is_file():
+            p.replace(run_dir / f"{name}.restart-{restart}.log")
+
+
 def archive_attempt(run_dir: Path, attempt: int) -> Path:
     """Move attempt ``attempt``'s component logs and run.json into ``<run_dir>/attempt-<n>/``."""
     dest = run_dir / f"attempt-{attempt}"
@@ -143,19 +198,21 @@ def run_attempts(plan: Plan, run_dir: Path, stop: threading.Event, backend: Back
     max_restarts = plan.cfg.max_restarts
     root = checkpoint_root(plan)
     history: list[dict[str, Any]] = []
-    attempt = 1
+    attempt, in_place = 1, 0  # in_place: trainer restarts inside attempts (``TrainerRestarts``)
     while True:
         before = checkpoint_step(root)
-        prior = {"attempt": attempt, "attempts": history} if max_restarts else {}  # 0: run.json as before
+        prior = {"attempt": attempt, "attempts": history,
+                 "restarts_left": max_restarts - (attempt - 1) - in_place} if max_restarts else {}
         outcome = backend(plan, run_dir, stop, prior)
         record = _read_record(run_dir)
+        in_place += len(record.get("trainer_restarts", []))
         comps = record.get("components", {})
         codes = {n: c.get("exit_code") for n, c in comps.items()}
         failed = outcome.failed or ""
         trainer_exit = codes.get(failed) if failed.split(".")[0] == "trainer" else None
         after = checkpoint_step(root)
-        decision = restart_decision(outcome, attempt=attempt, max_restarts=max_restarts, trainer_exit=trainer_exit,
-                                    step_before=before, step_after=after)
+        decision = restart_decision(outcome, attempt=attempt + in_place, max_restarts=max_restarts,
+                                    trainer_exit=trainer_exit, step_before=before, step_after=after)
         if max_restarts == 0:
             return outcome
         history.append({"attempt": attempt, "exit_code": outcome.exit_code, "failed": outcome.failed,

@@ -184,6 +184,33 @@ class Supervisor:
         self.record.update(ended=time.time(), exit_code=outcome.exit_code, failed=outcome.failed,
                            reason=outcome.reason)
 
+    def exit_of(self, name: str | None) -> int | None:
+        """Component ``name``'s exit code (None: running, or no such component)."""
+        h = self.handles.get(name or "")
+        return h.poll() if h is not None else None
+
+    def daemons_alive(self, trainers: Sequence[str]) -> bool:
+        """Whether every component but the trainer's parts is still running."""
+        return all(h.poll() is None for n, h in self.handles.items() if n not in trainers)
+
+    def stop_parts(self, names: Sequence[str]) -> dict[str, int | None]:
+        """SIGTERM, wait up to ``stop_timeout_s``, SIGKILL the components ``names`` (the trainer's
+        parts, before it starts again) and drop them; their exit codes."""
+        parts = [self.handles[n] for n in names if n in self.handles]
+        for h in parts:
+            if h.poll() is None:
+                h.track()
+                h.terminate()
+        deadline = time.monotonic() + self.stop_timeout_s
+        while any(h.poll() is None for h in parts) and time.monotonic() < deadline:
+            time.sleep(POLL_S)
+        codes = {}
+        for h in parts:
+            h.kill()
+            codes[h.name] = h.poll()
+            del self.handles[h.name]
+        return codes
+
     def teardown(self, trainers: Sequence[str]) -> None:
         """SIGTERM the trainer's parts, then the daemons, each wave given ``stop_timeout_s``; then SIGKILL the rest."""
         first = [h for n, h in self.handles.items() if n in trainers]
