@@ -47,6 +47,12 @@ ALLOWED: dict[tuple[str, str], str] = {
         "the launcher's Ray actors: Ray pickles their calls (Ray's business, inside a Ray cluster the "
         "user runs); the arguments are strings, ints and paths, and treadle's own data never rides "
         "on Ray: daemons talk over the msgpack wire",
+    ("packages/rollout/src/treadle/rollout/ray_engines.py", "ray"):
+        "the rollout daemon's engine actors (--engine_placement ray): Ray pickles their calls inside "
+        "the Ray cluster the user runs; the arguments are a JSON worker spec, environment strings "
+        "and the engine's CURVE server keys as z85 text (Ray's channels are the cluster's trust "
+        "boundary, as for any Ray job), and samples and weights never ride on Ray: the engines talk "
+        "to the daemon over the msgpack wire, CURVE-encrypted",
     ("packages/trainer/src/treadle/trainer/checkpoint/checkpointer.py", "checkpoint-load"):
         "DeepSpeed's own checkpoint format: torch.load of files this run wrote under --ckpt.path on "
         "local disk, never bytes from a peer",
