@@ -446,7 +446,9 @@ def test_engines_as_ray_actors_on_two_nodes_survive_losing_one_mid_round(tiny, t
     every process of it killed) and a new one added: the run goes on without a restart, e0's
     samples fail over to e1, the slot's replacement starts on the new node, catches up to the
     current weights and takes the next syncs, and every trajectory is trained once."""
+    import os
     import re
+    import signal
     import threading
     import time
 
@@ -457,7 +459,7 @@ def test_engines_as_ray_actors_on_two_nodes_survive_losing_one_mid_round(tiny, t
     trainer = {"num_cpus": 1, "labels": {"role": "trainer"}}
     engines = {"num_cpus": 1, "labels": {"role": "engines"}}
     fast_death = {"health_check_period_ms": 1000, "health_check_failure_threshold": 3}
-    steps = 16
+    steps = 32  # 2 episodes of the task's 32 prompts, 2 a step
     with _cluster(trainer, trainer, {"num_cpus": 2, "labels": {"role": "daemons"}}, engines, engines,
                   system_config=fast_death) as (cluster, nodes, ray_tmp):
         engine_nodes = {n.node_id: n for n in nodes[3:]}
@@ -467,8 +469,8 @@ def test_engines_as_ray_actors_on_two_nodes_survive_losing_one_mid_round(tiny, t
                 "--rollout.node_labels", "role=daemons", "--rewards.node_labels", "role=daemons",
                 "--", "rollout", "--engine_placement", "ray", "--ray.node_labels", "role=engines",
                 "--", "rewards", "--functions", str(task.reward), "--workers.num_workers", "1",
-                "--", "ppo", *_ppo_zero3(helpers, tiny, task, tmp_path), "--data.max_samples", str(2 * steps),
-                "--rollout.max_new_tokens", "128"]  # long enough responses that a round is caught in flight
+                "--", "ppo", *_ppo_zero3(helpers, tiny, task, tmp_path), "--data.max_samples", "32",
+                "--train.num_episodes", "2", "--rollout.max_new_tokens", "128"]  # long enough responses that a round is caught in flight
         proc = helpers.launch(args, env=helpers.child_env(TREADLE_LOG_JSON="1", RAY_TMPDIR=str(ray_tmp)))
         out: list[str] = []  # the engines' output reaches the launcher (Ray's log_to_driver): drain it
         drain = threading.Thread(target=lambda: out.extend(proc.stdout), daemon=True)
@@ -483,30 +485,38 @@ def test_engines_as_ray_actors_on_two_nodes_survive_losing_one_mid_round(tiny, t
             def e0(stats):
                 return next(e for e in stats["engines"] if e["engine_id"] == "e0")
 
-            helpers.wait_for(lambda: e0(rc.stats())["load"] > 0, 120, proc, "samples in flight on e0")
+            busy = helpers.wait_for(lambda: (s := rc.stats()) and e0(s)["load"] > 0 and s, 120, proc,
+                                    "samples in flight on e0")
             cluster.remove_node(engine_nodes[placed["e0"]], allow_graceful=False)
-            lost_at = len(metrics.read_text().splitlines())
+            # A machine that dies takes every process on it at once; here the worker (its own session,
+            # which notices its actor's end within a second) goes with the node's Ray processes.
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(e0(busy)["pid"], signal.SIGKILL)
+            lost_at, lost_t = len(metrics.read_text().splitlines()), time.monotonic()
             time.sleep(2.0)
             fresh = cluster.add_node(**engines)
             back = helpers.wait_for(lambda: (s := rc.stats()) and e0(s)["restarts"] == 1 and e0(s)["state"] == "ready"
                                     and s, 180, proc, "e0 back on the new node")
+            back_s = time.monotonic() - lost_t
         finally:
             rc.close()
         assert proc.wait(600) == 0, "".join(out)[-6000:]
         drain.join(10)
 
-    print(f"e0's node removed after step {lost_at}; e0 back at version {e0(back)['version']} (pool "
-          f"{back['version']}); failovers {back['failovers']}")
+    print(f"e0's node removed after step {lost_at}; e0 back {back_s:.1f} s later at version {e0(back)['version']} "
+          f"(pool {back['version']}); failovers {back['failovers']}")
     assert back["failovers"] > 0 and e0(back)["version"] == back["version"]
-    assert lost_at < steps, "the run ended before e0 came back: nothing after the loss was checked"
+    assert lost_at < steps
     record = helpers.run_json(run)
     assert record.get("attempt", 1) == 1 and record["exit_code"] == 0  # no restart of the run
     log = (run / "rollout.log").read_text()
-    assert "its Ray actor died" in log, log[-4000:]
+    assert re.search(r"engine e0 \(pid \d+ on \w+\) exited with status -9", log), log[-4000:]
     assert re.search(rf"engine e0: worker \d+ on Ray node {fresh.node_id}", log), log[-4000:]  # the replacement
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
-    assert _log_records(run / "trainer.log", "weights sent")[-1]["updated"] == ["e0", "e1"]  # both again, at the end
+    # e0 came back at the pool's version (from the kept weights); every sync after that reached both
+    later = [r for r in _log_records(run / "trainer.log", "weights sent") if r["version"] > e0(back)["version"]]
+    assert later and all(sorted(r["updated"]) == ["e0", "e1"] for r in later), later
     with TrajectoryLog(ckpt / "trajectories") as tl:
         lineage = tl.lineage(steps)
         pending = tl.recover(steps).pending
@@ -547,3 +557,17 @@ def test_what_a_reward_model_apart_cannot_be_is_refused(extra, message):
     with pytest.raises(ConfigError, match="a `-- rewards` section already"):
         plan_of("--backend", "ray", "--trainer.ranks", "2", "--", "rollout", "--", "rewards", "--functions", "math",
                 "--", "ppo", *PPO, *RM_APART)
+
+
+def test_train_ppo_ray_spreads_its_engines_as_ray_actors_unless_they_share_the_trainers_gpus():
+    from treadle.integration.train_ppo_ray import launch_config
+    from treadle.trainer.config import parse_ppo
+
+    args = [*PPO, "--reward.remote_url", "math", "--actor.num_gpus_per_node", "2"]
+    spread = make_plan(launch_config(args, parse_ppo(args), gpus=True))
+    rollout = spread.daemon("rollout")
+    assert rollout.ray_engines and rollout.num_gpus == 0  # each engine reserves its own GPU, on any node
+    assert flag_value(rollout.args[1:], "--ray.num_gpus_per_rank") == "1"
+    colocated = [*args, "--train.colocate_all"]
+    shared = make_plan(launch_config(colocated, parse_ppo(colocated), gpus=True)).daemon("rollout")
+    assert not shared.ray_engines and shared.num_gpus == 2  # the trainer's GPUs, through --gpu_ids

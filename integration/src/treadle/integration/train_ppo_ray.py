@@ -10,7 +10,10 @@ the job on Ray through the launcher's Ray backend, so it works directly and as a
         --vllm.tensor_parallel_size 2 --train.colocate_all ...
 
 What it starts: a rollout daemon actor with ``--vllm.num_engines`` engines (unless
-``--vllm.endpoint`` names a running one), and one trainer actor per node (``--actor.num_nodes``),
+``--vllm.endpoint`` names a running one): colocated (``--train.colocate_all``) on the trainer's
+GPUs, else each engine a Ray actor with a placement group of its own on whichever node has room
+(``treadle-rollout serve --engine_placement ray``), so engines spread over nodes as OpenRLHF's do
+and a lost node's engines are replaced in place; and one trainer actor per node (``--actor.num_nodes``),
 each running ``--actor.num_gpus_per_node`` ranks under torchrun (one torchrun per node, joined by
 torchrun's rendezvous on the first one's node). On a cluster with GPUs each rank gets one and the
 engines get ``num_engines x tensor_parallel_size`` (the trainer's own with
@@ -44,8 +47,10 @@ def launch_config(args: Sequence[str], ppo: Any, *, gpus: bool) -> LaunchConfig:
     actor, vllm = ppo.actor, ppo.vllm
     ranks = actor.num_gpus_per_node
     rollout = RolloutLaunch()
-    if vllm.endpoint is None:
+    if vllm.endpoint is None and ppo.engines_colocated:  # the engines on the trainer's GPUs (its node's)
         rollout = RolloutLaunch(args=(), num_gpus=vllm.num_engines * vllm.tensor_parallel_size if gpus else 0)
+    elif vllm.endpoint is None:  # each engine a Ray actor with GPUs of its own, on any node (as OpenRLHF's)
+        rollout = RolloutLaunch(args=("--engine_placement", "ray", "--ray.num_gpus_per_rank", "1" if gpus else "0"))
     return LaunchConfig(backend="ray", rollout=rollout,
                         trainer=TrainerLaunch(command="ppo", args=tuple(args), ranks=ranks, nodes=actor.num_nodes,
                                               num_gpus_per_rank=1 if gpus else 0))
