@@ -250,7 +250,7 @@ def test_sleep_with_a_bad_level_is_a_bad_request_naming_it(level, tmp_path):
     assert repr(level) in str(e.value) and server.pool.sleeping == 0  # refused before anything changed
 
 
-def test_the_weight_group_relays_per_node_only_across_nodes_with_one_rank_engines():
+def test_the_weight_group_relays_per_node_only_when_engines_span_nodes():
     from treadle.common.records import WeightGroupSpec
     from treadle.rollout.updates import relay_layout
 
@@ -264,5 +264,17 @@ def test_the_weight_group_relays_per_node_only_across_nodes_with_one_rank_engine
     assert (relay.rank, relay.relay_prefix, relay.relay_size, relay.prefix) == (1, "relay/a", 3, "")
     assert (follower.rank, follower.world_size, follower.prefix, follower.relay_prefix) == (2, 3, "relay/a", "")
     assert (alone.rank, alone.world_size, alone.prefix) == (3, 5, "")
-    tp2 = relay_layout([("e0", "a"), ("e1", "a"), ("e2", "b")], 2)  # a worker's rank is its first's + w
-    assert (tp2.ranks, tp2.relays, tp2.world_size) == ({"e0": 1, "e1": 3, "e2": 5}, {}, 7)
+    # two workers an engine: a relay's worker 0 alone is in the sender's group, its worker 1 is
+    # rank 1 of the node's group, the node's next engine ranks 2-3; e2, alone on b, relays to its worker 1
+    tp2 = relay_layout([("e0", "a"), ("e1", "a"), ("e2", "b")], 2)
+    assert tp2.relays == {"relay/a": ("e0", "e1"), "relay/b": ("e2",)}
+    assert (tp2.ranks, tp2.world_size) == ({"e0": 1, "e1": 2, "e2": 2}, 3)
+    top = WeightGroupSpec(host="h", port=9, world_size=3, rank=0)
+    relay, follower = tp2.spec_of("e0", top), tp2.spec_of("e1", top)
+    assert (relay.rank, relay.relay_size) == (1, 4) and (follower.rank, follower.world_size) == (2, 4)
+    from treadle.common.weights import worker_spec
+
+    w1 = worker_spec(relay, 1)  # the relay engine's second worker: rank 1 of the node's group
+    assert (w1.prefix, w1.rank, w1.world_size, w1.relay_prefix) == ("relay/a", 1, 4, "")
+    assert worker_spec(follower, 1).rank == 3 and worker_spec(top.with_rank(1), 1).rank == 2
+    assert relay_layout([("e0", "a"), ("e1", "a")], 2).relays == {}  # one node: flat

@@ -194,6 +194,20 @@ def _process_group(store: object, prefix: str, rank: int, size: int, backend: st
     return dist.ProcessGroupNCCL(prefixed, rank, size, opts)
 
 
+def worker_spec(spec: WeightGroupSpec, worker: int) -> WeightGroupSpec:
+    """The spec worker ``worker`` (its tensor / pipeline parallel rank) of an engine joins with,
+    given the spec of the engine's first worker: a member's workers take consecutive ranks of its
+    group; a relay's worker 0 is the relay, its others the relay group's ranks 1, 2, ..."""
+    import msgspec
+
+    if worker == 0:
+        return spec
+    if spec.relay_prefix:
+        return msgspec.structs.replace(spec, prefix=spec.relay_prefix, rank=worker, world_size=spec.relay_size,
+                                       relay_prefix="", relay_size=0)
+    return spec.with_rank(spec.rank + worker)
+
+
 def send_buckets(group: WeightGroup, tensors: Sequence[torch.Tensor], bucket_sizes: Sequence[int]) -> None:
     """Sender side, the simplest: broadcast each bucket of ``tensors`` (``pack_buckets``) in order."""
     for flat in pack_buckets(tensors, bucket_sizes):

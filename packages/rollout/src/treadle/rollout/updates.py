@@ -334,44 +334,51 @@ class WeightCoordinator:
 class RelayLayout:
     """Who receives from whom in one weight group (``relay_layout``)."""
 
-    ranks: dict[str, int]  # engine id -> first rank, in the sender's group or in its relay's
-    relays: dict[str, tuple[str, ...]]  # relay group name -> its engines, the relay (in the sender's group) first
+    ranks: dict[str, int]  # engine id -> its first worker's rank, in the sender's group or in its relay's
+    relays: dict[str, tuple[str, ...]]  # relay group name -> its engines, the relay's (in the sender's group) first
     world_size: int  # the sender's group: the sender + its members' ranks (a keeper comes on top)
+    ranks_per_engine: int = 1
 
     def spec_of(self, engine_id: str, top: WeightGroupSpec) -> WeightGroupSpec:
-        """The spec engine ``engine_id`` joins with (``top``: the sender's group, rank 0)."""
+        """The spec engine ``engine_id``'s first worker joins with (``top``: the sender's group,
+        rank 0); its other workers derive theirs (``weights.worker_spec``)."""
         for name, engines in self.relays.items():
+            size = len(engines) * self.ranks_per_engine
             if engine_id == engines[0]:
-                return msgspec.structs.replace(top, rank=self.ranks[engine_id], relay_prefix=name,
-                                               relay_size=len(engines))
+                return msgspec.structs.replace(top, rank=self.ranks[engine_id], relay_prefix=name, relay_size=size)
             if engine_id in engines:
-                return msgspec.structs.replace(top, rank=self.ranks[engine_id], world_size=len(engines), prefix=name)
+                return msgspec.structs.replace(top, rank=self.ranks[engine_id], world_size=size, prefix=name)
         return top.with_rank(self.ranks[engine_id])
 
 
 def relay_layout(engines: list[tuple[str, str]], ranks_per_engine: int) -> RelayLayout:
-    """The weight group of ``engines`` ((engine id, node) in join order).
+    """The weight group of ``engines`` ((engine id, node) in join order), ``ranks_per_engine``
+    workers (tensor x pipeline parallel ranks) each.
 
-    Flat (every engine a member of the sender's group, ``ranks_per_engine`` ranks each) unless the
-    engines span two or more nodes: then the engines of a node with two or more of them form a
-    relay group, whose first engine is the node's one member of the sender's group and passes every
-    broadcast on to the others (rank 0 of that group), so the network carries one copy per node
-    instead of one per engine. Engines of several ranks (tensor / pipeline parallel) stay flat:
-    their workers derive their ranks from the first one's, which a relay would break.
+    Flat (every worker a member of the sender's group) unless the engines span two or more
+    nodes: then the engines of a node with two or more workers in all form a relay group. Its
+    first engine's first worker is the node's one member of the sender's group and passes every
+    broadcast on as rank 0 of the relay group, where that engine's other workers take ranks 1 ..
+    and the node's other engines the next ones, so the network carries one copy per node instead
+    of one per worker.
     """
     by_node: dict[str, list[str]] = {}
     for engine_id, node in engines:
         by_node.setdefault(node, []).append(engine_id)
-    relayed = len(by_node) >= 2 and ranks_per_engine == 1
-    relays = {f"relay/{node}": tuple(ids) for node, ids in by_node.items() if relayed and len(ids) >= 2}
-    followers = {e: k for ids in relays.values() for k, e in enumerate(ids) if k}
+    spread = len(by_node) >= 2
+    relays = {f"relay/{node}": tuple(ids) for node, ids in by_node.items()
+              if spread and len(ids) * ranks_per_engine >= 2}
     ranks, r = {}, 1
+    in_relay = {e: k * ranks_per_engine for ids in relays.values() for k, e in enumerate(ids)}
+    leaders = {ids[0] for ids in relays.values()}
     for engine_id, _ in engines:
-        if engine_id in followers:
-            ranks[engine_id] = followers[engine_id]
+        if engine_id in leaders:
+            ranks[engine_id], r = r, r + 1  # its worker 0 alone is in the sender's group
+        elif engine_id in in_relay:
+            ranks[engine_id] = in_relay[engine_id]
         else:
             ranks[engine_id], r = r, r + ranks_per_engine
-    return RelayLayout(ranks=ranks, relays=relays, world_size=r)
+    return RelayLayout(ranks=ranks, relays=relays, world_size=r, ranks_per_engine=ranks_per_engine)
 
 
 def _group_args(args: dict[str, Any]) -> dict[str, Any]:

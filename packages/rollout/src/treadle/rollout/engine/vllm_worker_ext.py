@@ -28,7 +28,13 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from treadle.common.records import WeightGroupSpec
-from treadle.common.weights import WeightGroup, bucket_ranges, bucket_views, receive_buckets
+from treadle.common.weights import (
+    WeightGroup,
+    bucket_ranges,
+    bucket_views,
+    receive_buckets,
+    worker_spec,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -86,11 +92,10 @@ class TreadleWorkerExtension:
             flats = buckets = None
 
     def treadle_join_group(self, group: dict[str, Any]) -> int:
-        """Join the sender's group as rank ``group["rank"] + this worker's rank``; returns it."""
+        """Join the sender's group (or a relay's) at this worker's rank (``worker_spec``); returns it."""
         if self._treadle_group is not None:
             self._treadle_group.close()
-        spec = WeightGroupSpec(**group)
-        spec = spec.with_rank(spec.rank + self.rank)
+        spec = worker_spec(WeightGroupSpec(**group), self.rank)
         self._treadle_group = WeightGroup(spec)
         return spec.rank
 
