@@ -92,7 +92,8 @@ def ppo_args(actor: Path, prompts: Path, out: Path, *extra: str, new_tokens: int
             str(new_tokens), "--data.prompt_max_len", str(prompt_len), "--actor.num_gpus_per_node", "1",
             "--ds.param_dtype", "fp32",
             "--ds.zero_stage", "0", "--vllm.backend", "hf", "--vllm.bucket_mb", "1",
-            "--ckpt.path", str(out / "ckpt"), "--ckpt.output_dir", str(out / "model"), *extra]
+            "--ckpt.path", str(out / "ckpt"), "--ckpt.output_dir", str(out / "model"),
+            "--rollout.logprobs", *extra]  # the engines' logprobs: the gap checks read them
 
 
 def metrics(out: Path) -> list[dict]:

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call for the GPU benchmarks: install (vLLM pieces + treadle's wheels + EXTRA wheel folders), then PHASES:
 #   liger: bench_gpu_trainer 1.35B tuned / tuned_eager / eager_liger (1 GPU)
+#   sync: bench_grpo_vs_trl --which both (benchmark 3, synchronous)
 #   async: bench_grpo_vs_trl --staleness 1 --which both
 #   vllmsuite: the vLLM backend's GPU tests (TREADLE_GPU_SUITE=vllm bash tools/gpu_tests.sh)
 #   pytest: `pytest -m gpu $PYTEST_ARGS -k "$PYTEST_K"`, e.g. the Liger GPU test:
@@ -46,6 +47,12 @@ for ph in ${PHASES:-liger}; do
       timeout $(( $(left) - 15 )) python3 tools/bench/bench_gpu_trainer.py --nproc 1 \
         --sweep "${SWEEP:-1.35b:tuned,1.35b:tuned_eager,1.35b:eager_liger}" \
         --deadline-s $(( $(left) - 25 )) --json "$OUT/r/liger.json" --log "$OUT/r/liger.log" 2>&1 | tail -30 ;;
+    sync)
+      ts "sync bench ($(left) s left)"
+      timeout $(( $(left) - 15 )) python3 tools/bench/bench_grpo_vs_trl.py --device cuda --preset qwen0.5b \
+        --prompts-per-step 32 --group-size 8 --max-new-tokens 256 --micro-batch 32 --steps 4 --warmup-steps 1 \
+        --which ${WHICH:-both} --json "$OUT/r/sync.json" > "$OUT/r/sync.log" 2>&1
+      echo "rc=$?"; grep -v "^\s*$" "$OUT/r/sync.log" | tail -40 ;;
     async)
       ts "async bench ($(left) s left)"
       timeout $(( $(left) - 15 )) python3 tools/bench/bench_grpo_vs_trl.py --device cuda --preset qwen0.5b \

@@ -68,7 +68,8 @@ def ppo_args(tiny: Path, task: dict[str, Path], ckpt: Path, endpoint: str, *extr
             "--rollout.micro_batch_size", "16", "--rollout.max_new_tokens", "12", "--data.prompt_max_len", "32",
             "--actor.adam.lr", "3e-3", "--actor.num_gpus_per_node", "1", "--ds.param_dtype", "fp32",
             "--ds.zero_stage", "3", "--vllm.endpoint", endpoint, "--vllm.bucket_mb", "1",
-            "--ckpt.path", str(ckpt / "ckpt"), "--ckpt.output_dir", str(ckpt / "model"), *extra]
+            "--ckpt.path", str(ckpt / "ckpt"), "--ckpt.output_dir", str(ckpt / "model"),
+            "--rollout.logprobs", *extra]  # the engines' logprobs: the gap checks below read them
 
 
 def run_ppo(args: list[str], helpers, timeout: float = 600, **env: str) -> subprocess.CompletedProcess:

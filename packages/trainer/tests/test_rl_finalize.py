@@ -115,3 +115,25 @@ def test_gspo_with_the_correction_takes_no_is_weights():
     assert (rc.is_level, rc.is_mode, rc.is_gating) == ("token", "clip", "ratio") and not t.policy_loss().ratio_to_rollout
     t = _trainer_views("--actor.policy_loss_type", "gspo", "--actor.dual_clip", "3")
     assert t.policy_loss().dual_clip == 3.0  # no longer dropped for GSPO
+
+
+def test_the_engines_logprobs_are_asked_for_only_when_something_reads_them():
+    """OpenRLHF asks vLLM for logprobs only with the IS correction (they cost about half of vLLM
+    0.26's generation speed); ``--rollout.logprobs`` asks for the gap metrics alone. Without them
+    the trajectories carry zeros, and no gap metric is made up from those."""
+    from treadle.trainer.trainers.ppo_build import sampling_of
+
+    plain = _trainer_views()
+    assert not sampling_of(plain.cfg, temperature=1.0).logprobs
+    assert not plain.returns_config().rollout_logprobs and not plain.policy_loss().rollout_logprobs
+    for extra in (("--rollout.logprobs",), ("--algo.advantage.is_correction_enable",)):
+        t = _trainer_views(*extra)
+        assert sampling_of(t.cfg, temperature=1.0).logprobs and t.returns_config().rollout_logprobs, extra
+    exps = exps_of([1.0, 0.0], [[1, 1], [1, 1]])
+    for e in exps:
+        e.arrays["old_logp"] = np.full(2, -0.7, dtype=np.float32)
+    assert "logprob_gap/mean" in finalize(exps, CFG)
+    exps = exps_of([1.0, 0.0], [[1, 1], [1, 1]])
+    for e in exps:
+        e.arrays["old_logp"] = np.full(2, -0.7, dtype=np.float32)
+    assert "logprob_gap/mean" not in finalize(exps, dataclasses.replace(CFG, rollout_logprobs=False))

@@ -31,6 +31,11 @@ class RolloutConfig:
     """Sampling temperature."""
     top_p: float = 1.0
     """Nucleus sampling mass."""
+    logprobs: bool = False
+    """Ask the engines for the sampled tokens' logprobs even when nothing needs them, for the
+    engine-vs-trainer gap metrics (logprob_gap/*, actor/logprob_gap_*). The IS correction
+    (--algo.advantage.is_correction_enable) asks for them itself. Off, as in OpenRLHF: vLLM 0.26's
+    logprobs cost about half its generation speed (docs/benchmarks.md)."""
     max_tokens_per_gpu: int | None = None
     """Token budget of a scoring micro-batch with dynamic batching; None: train.max_tokens_per_gpu."""
     episode_timeout_s: float = 600.0

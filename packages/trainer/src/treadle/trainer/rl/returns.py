@@ -71,6 +71,8 @@ class ReturnsConfig:
     """Statistic the IS gate reads ("ratio", "binary_kl", "tv")."""
     is_band: tuple[float, float] = (0.5, 5.0)
     """[low, high] band of the gated statistic."""
+    rollout_logprobs: bool = True
+    """The experiences carry the engines' logprobs (False: zeros, so no gap metrics)."""
     discount_env_tokens: bool = False
     """gamma and lambda also apply at environment tokens of multi-turn trajectories (OpenRLHF's layout)."""
     distill_coef: float = 0.0
@@ -122,7 +124,8 @@ def finalize(exps: Sequence[Experience], cfg: ReturnsConfig) -> dict[str, float]
     metrics: dict[str, float] = {}
     if "old_logp" in exps[0].arrays:
         old = stack(exps, "old_logp")[0].double()
-        metrics["logprob_gap/mean"], metrics["logprob_gap/max"] = logprob_gap(old, rollout, mask)
+        if cfg.rollout_logprobs:
+            metrics["logprob_gap/mean"], metrics["logprob_gap/max"] = logprob_gap(old, rollout, mask)
     elif cfg.is_level is not None or (cfg.kl_coef > 0 and cfg.kl_in_reward) or "teacher_logp" in exps[0].arrays:
         raise ValueError("finalize needs old_logp for the IS correction, the KL penalty and distillation")
     if cfg.is_level is None:

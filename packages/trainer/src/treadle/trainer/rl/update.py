@@ -79,6 +79,8 @@ class PolicyLoss:
     ratio_to_rollout: bool = False
     """The policy ratio is taken against the rollout engine's logprobs instead of the old policy's
     (GSPO with the IS correction, as OpenRLHF's); the IS weights are then not applied."""
+    rollout_logprobs: bool = True
+    """The experiences carry the engines' logprobs (False: zeros; no gap metrics)."""
 
 
 def micro_groups(exps: Sequence[Experience], b: Batching) -> list[list[int]]:
@@ -193,7 +195,8 @@ def actor_step(engine: Any, exps: Sequence[Experience], b: Batching, loss: Polic
     keys = sorted(sums)
     reduced = all_reduce([sums[key] for key in keys], b.device, group=b.dp_group)
     metrics = {f"actor/{key}": v / units for key, v in zip(keys, reduced, strict=True)}
-    metrics.update({"actor/logprob_gap_mean": gap_sum / max(actions, 1.0), "actor/logprob_gap_max": gap_max})
+    if loss.rollout_logprobs:
+        metrics.update({"actor/logprob_gap_mean": gap_sum / max(actions, 1.0), "actor/logprob_gap_max": gap_max})
     # OpenRLHF's names: plain token means over the step, whatever the loss's aggregation
     per_token = max(actions, 1.0)
     metrics.update({"actor/ppo_clip_ratio": ppo_clipped / per_token, "actor/ppo_kl": ppo_kl / per_token,

@@ -44,7 +44,7 @@ from treadle.trainer.rl.shaping import dynamic_filter
 from treadle.trainer.rl.transfer import all_gather_arrays, broadcast_trajectories, share_of
 from treadle.trainer.rl.update import Batching, PolicyLoss, actor_step, critic_step, score
 from treadle.trainer.strategy.deepspeed import all_reduce
-from treadle.trainer.trainers.ppo_build import PPOParts, build_parts, close_parts
+from treadle.trainer.trainers.ppo_build import PPOParts, build_parts, close_parts, rollout_logprobs
 
 log = get_logger(__name__)
 CRITIC_TAG = "critic"
@@ -90,7 +90,7 @@ class PPOTrainer:
                           entropy_coef=a.entropy_coef, aggregation=a.aggregation,
                           kl_coef=self.kl.coef if kl.use_loss else 0.0, kl_estimator=kl.estimator,
                           temperature=self.cfg.rollout.temperature, kl_unbiased_gradient=kl.unbiased_gradient,
-                          ratio_to_rollout=self.gspo_rollout_ratio)
+                          ratio_to_rollout=self.gspo_rollout_ratio, rollout_logprobs=rollout_logprobs(self.cfg))
 
     def returns_config(self) -> ReturnsConfig:
         c = self.cfg
@@ -105,7 +105,7 @@ class PPOTrainer:
             stop_properly_coef=r.stop_properly_penalty_coef,
             is_level=adv.is_correction_level if weighted else None, is_mode=adv.is_correction_mode,
             is_gating=adv.is_correction_gating, is_band=adv.is_band, discount_env_tokens=adv.discount_env_tokens,
-            distill_coef=c.teacher.kl_coef)
+            distill_coef=c.teacher.kl_coef, rollout_logprobs=rollout_logprobs(c))
 
     @property
     def needs_old_logp(self) -> bool:

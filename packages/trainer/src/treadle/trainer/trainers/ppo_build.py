@@ -169,10 +169,16 @@ def teacher_model(cfg: PPOConfig, dist: DistInfo, ring: Any) -> Reference | None
     return build.reference(cfg.teacher.model_name_or_path, cfg.ds, dist, offload=cfg.teacher.offload, ring=ring)
 
 
+def rollout_logprobs(cfg: PPOConfig) -> bool:
+    """Whether the engines return the sampled tokens' logprobs: the IS correction reads them, and
+    ``--rollout.logprobs`` asks for them (the gap metrics); else the trajectories carry zeros."""
+    return cfg.rollout.logprobs or cfg.algo.advantage.is_correction_on
+
+
 def sampling_of(cfg: PPOConfig, *, temperature: float) -> SamplingParams:
     return SamplingParams(n=1, temperature=temperature, top_p=cfg.rollout.top_p,
                           max_tokens=cfg.rollout.max_new_tokens or cfg.max_len - cfg.data.prompt_max_len,
-                          logprobs=True)
+                          logprobs=rollout_logprobs(cfg))
 
 
 def executor(cfg: PPOConfig, *, sampler: Any, chat: Any, sampling: SamplingParams, gateway: Any = None) -> Any:
