@@ -278,3 +278,14 @@ def test_the_weight_group_relays_per_node_only_when_engines_span_nodes():
     assert (w1.prefix, w1.rank, w1.world_size, w1.relay_prefix) == ("relay/a", 1, 4, "")
     assert worker_spec(follower, 1).rank == 3 and worker_spec(top.with_rank(1), 1).rank == 2
     assert relay_layout([("e0", "a"), ("e1", "a")], 2).relays == {}  # one node: flat
+
+
+def test_status_names_each_engines_node():
+    from treadle.rollout.cli import format_status
+
+    engine = {"engine_id": "e0", "state": "ready", "pid": 7, "version": 3, "load": 0, "running": 0, "tokens_per_s": 0.0,
+              "reason": "", "node": "85a85821a82d586e1aaccc8c9b4b5ecc7d54"}
+    stats = {"version": 3, "engines_ready": 1, "engines": [engine], "in_flight": 0, "queue_depth": 0,
+             "tokens_per_s": 0.0, "failovers": 0, "restarts": 0}
+    table = format_status({"health": {"status": "ok"}, "stats": stats})
+    assert "node" in table.splitlines()[1] and "85a85821a82d " in table.splitlines()[2]

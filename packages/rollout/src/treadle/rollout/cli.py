@@ -102,10 +102,12 @@ def format_status(s: dict[str, Any]) -> str:
     lines = [f"status {h['status']}  weight version {st['version']}  engines ready {st['engines_ready']}/"
              f"{len(st['engines'])}  in flight {st['in_flight']}  queue {st['queue_depth']}  "
              f"tokens/s {st['tokens_per_s']:.1f}  failovers {st['failovers']}  restarts {st['restarts']}",
-             f"{'engine':<8}{'state':<13}{'pid':>8}{'version':>9}{'load':>7}{'running':>9}{'tok/s':>9}  reason"]
+             f"{'engine':<8}{'state':<13}{'pid':>8}{'version':>9}{'load':>7}{'running':>9}{'tok/s':>9}"
+             f"{'  node':<15}  reason"]
     for e in st["engines"]:
+        node = e.get("node", "")  # "local", or the Ray node id (--engine_placement ray), cut to 12
         lines.append(f"{e['engine_id']:<8}{e['state']:<13}{e['pid']:>8}{e['version']:>9}{e['load']:>7}"
-                     f"{e['running']:>9}{e['tokens_per_s']:>9.1f}  {e['reason']}")
+                     f"{e['running']:>9}{e['tokens_per_s']:>9.1f}  {node[:12]:<13}  {e['reason']}")
     return "\n".join(lines)
 
 
