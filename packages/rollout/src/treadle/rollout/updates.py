@@ -19,6 +19,13 @@ adapter alone: an engine catches up on its own base weights, so a run keeps to o
 engine started with ``--no_keep_weights`` has the bytes: such an engine waits (state ``behind``,
 no work) until the sender, told the group is stale, rebuilds it and sends the next version.
 
+Relays: when the engines span two or more nodes (``--engine_placement ray``), ``relay_layout``
+puts one worker per node in the sender's group and the node's other workers in a relay group it
+roots (``WeightGroupSpec.relay_prefix``), so a broadcast crosses the network once per node. gloo's
+broadcast is a tree either way, so a member that dies mid-broadcast can starve the ranks below it:
+``_receive_all`` gives up on those after a grace (they are killed and restart) instead of holding
+the update for the group's timeout.
+
 Membership: a group has fixed ranks, so any change (an engine added, removed, died or
 restarted) makes it stale; the next collective update then fails at once with
 ``WeightGroupStale`` (before ``accepted``: nothing was broadcast), telling the sender to
