@@ -197,13 +197,7 @@ class Supervisor:
         """SIGTERM, wait up to ``stop_timeout_s``, SIGKILL the components ``names`` (the trainer's
         parts, before it starts again) and drop them; their exit codes."""
         parts = [self.handles[n] for n in names if n in self.handles]
-        for h in parts:
-            if h.poll() is None:
-                h.track()
-                h.terminate()
-        deadline = time.monotonic() + self.stop_timeout_s
-        while any(h.poll() is None for h in parts) and time.monotonic() < deadline:
-            time.sleep(POLL_S)
+        self._terminate(parts)
         codes = {}
         for h in parts:
             h.kill()
@@ -211,20 +205,25 @@ class Supervisor:
             del self.handles[h.name]
         return codes
 
+    def _terminate(self, handles: Sequence[Handle]) -> None:
+        """SIGTERM those of ``handles`` still running and wait up to ``stop_timeout_s`` for them,
+        tracking their descendants meanwhile (so a later SIGKILL finds re-parented ones)."""
+        running = [h for h in handles if h.poll() is None]
+        for h in running:
+            h.track()
+            h.terminate()
+        deadline = time.monotonic() + self.stop_timeout_s
+        while any(h.poll() is None for h in running) and time.monotonic() < deadline:
+            for h in running:
+                h.track()
+            time.sleep(POLL_S)
+
     def teardown(self, trainers: Sequence[str]) -> None:
         """SIGTERM the trainer's parts, then the daemons, each wave given ``stop_timeout_s``; then SIGKILL the rest."""
         first = [h for n, h in self.handles.items() if n in trainers]
         rest = [h for n, h in self.handles.items() if n not in trainers]
         for wave in (first, rest):
-            running = [h for h in wave if h.poll() is None]
-            for h in running:
-                h.track()
-                h.terminate()
-            deadline = time.monotonic() + self.stop_timeout_s
-            while any(h.poll() is None for h in running) and time.monotonic() < deadline:
-                for h in running:
-                    h.track()
-                time.sleep(POLL_S)
+            self._terminate(wave)
         for h in self.handles.values():
             h.kill()
         for name, h in self.handles.items():

@@ -102,6 +102,11 @@ class RayEngineOptions:
             raise ConfigError(f"--ray.num_gpus_per_rank must be >= 0, got {self.num_gpus_per_rank}")
         label_selector(self.node_labels)
 
+    def placement(self) -> Placement:
+        """Where a Ray-placed engine runs, as far as its config needs: Ray picks the node and the
+        GPUs and pins nothing, so each rank runs ``num_cpus_per_rank`` OMP threads, unbound."""
+        return Placement(cpus=(), threads_per_rank=max(1, int(self.num_cpus_per_rank)), cpu_bind="nobind", gpus=())
+
     def bundle(self, ranks: int) -> dict[str, float]:
         """The placement-group bundle of one engine of ``ranks`` ranks."""
         out = {"CPU": ranks * self.num_cpus_per_rank, "GPU": ranks * self.num_gpus_per_rank}

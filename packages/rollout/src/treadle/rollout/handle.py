@@ -39,7 +39,7 @@ class EngineProcess(Protocol):
     """A running worker, wherever it runs (``LocalProcess`` here, ``ray_engines.RayProcess``)."""
 
     pid: int
-    node: str  # where it runs: "local" or a Ray node's address
+    node: str  # where it runs: "local" or the Ray node's id
     error: str  # why it died, beyond its exit status ("" when nothing more is known)
 
     @property

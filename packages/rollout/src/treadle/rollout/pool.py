@@ -30,7 +30,7 @@ from typing import Any
 from treadle.common import env
 from treadle.common.errors import EngineDead, NoEngine, RequestTimeout, TreadleError
 from treadle.common.log import get_logger
-from treadle.rollout.config import Placement, ServeConfig, engine_fields, placement
+from treadle.rollout.config import ServeConfig, engine_fields, placement
 from treadle.rollout.handle import EngineHandle, LocalStarter
 from treadle.rollout.telemetry import PoolMetrics
 from treadle.rollout.updates import WeightCoordinator
@@ -94,8 +94,7 @@ class EnginePool:
     def _new_handle(self, slot: int, engines: int) -> EngineHandle:
         engine_id = f"e{next(self._ids)}"
         if self._ray is not None:  # Ray picks the node and the GPUs; threads per rank from --ray.*
-            threads = max(1, int(self.cfg.ray.num_cpus_per_rank))
-            where = Placement(cpus=(), threads_per_rank=threads, cpu_bind="nobind", gpus=())
+            where = self.cfg.ray.placement()
             spec = WorkerSpec(backend=self.cfg.backend, engine=engine_fields(self.cfg, engine_id, where), endpoint="")
             return EngineHandle(slot=slot, engine_id=engine_id, starter=self._ray.starter(spec))
         where = placement(slot, engines, self.cfg.ranks_per_engine, self._cpus, self.cfg.gpu_ids,

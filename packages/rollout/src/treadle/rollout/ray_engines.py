@@ -211,11 +211,11 @@ class RayEngines:
     """The pool's side of ``--engine_placement ray``: the Ray connection and the run's CURVE keys."""
 
     def __init__(self, opts: RayEngineOptions, ranks: int, start_timeout_s: float, key_dir: Path,
-                 threads: int, owns_ray: bool) -> None:
+                 owns_ray: bool) -> None:
         self.opts = opts
         self.bundle = opts.bundle(ranks)
         self.start_timeout_s = start_timeout_s
-        self.worker_env = {"OMP_NUM_THREADS": str(threads)}
+        self.worker_env = {"OMP_NUM_THREADS": str(opts.placement().threads_per_rank)}
         self.server_keys = {rel: (key_dir / rel).read_text() for rel in
                             ("server.key", "server.key_secret", f"authorized_clients/{CLIENT}.key")}
         self.client_curve = load_client_keys(key_dir, name=CLIENT)
@@ -228,8 +228,7 @@ class RayEngines:
         key_dir = Path(run_dir) / "engine-keys"
         key_dir.mkdir(mode=0o700, exist_ok=True)
         generate_keys(key_dir, clients=(CLIENT,), overwrite=True)
-        threads = max(1, int(opts.num_cpus_per_rank))
-        return cls(opts, ranks, start_timeout_s, key_dir, threads, owns)
+        return cls(opts, ranks, start_timeout_s, key_dir, owns)
 
     def starter(self, spec: WorkerSpec) -> RayStarter:
         return RayStarter(spec, self)
