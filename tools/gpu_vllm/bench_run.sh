@@ -4,6 +4,7 @@
 #   sync: bench_grpo_vs_trl --which both (benchmark 3, synchronous)
 #   async: bench_grpo_vs_trl --staleness 1 --which both
 #   vllmsuite: the vLLM backend's GPU tests (TREADLE_GPU_SUITE=vllm bash tools/gpu_tests.sh)
+#   ipc1: benchmark 2, the cuda_ipc sync into a vLLM daemon against a raw IPC copy (TREADLE_GPU_BENCH=ipc1)
 #   pytest: `pytest -m gpu $PYTEST_ARGS -k "$PYTEST_K"`, e.g. the Liger GPU test:
 #     PYTEST_ARGS=packages/trainer/tests/test_gpu.py PYTEST_K=liger
 # Results under $OUT/r, tarred to $OUT/r.tgz (a call brings back few files).
@@ -35,6 +36,11 @@ for ph in ${PHASES:-liger}; do
       ts "vllm suite ($(left) s left)"
       TREADLE_GPU_SUITE=vllm TREADLE_GPU_PYTEST_ARGS=-rA timeout $(( $(left) - 15 )) bash tools/gpu_tests.sh > "$OUT/r/vllm_suite.log" 2>&1
       echo "rc=$?"; grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed" "$OUT/r/vllm_suite.log" | tail -40 ;;
+    ipc1)
+      ts "ipc1 bench, vllm ($(left) s left)"
+      TREADLE_GPU_BENCH=ipc1 TREADLE_GPU_OUT=$OUT/r/ipc1 TREADLE_GPU_BENCH_ARGS="--repeats ${REPEATS:-3} --backend vllm" \
+        timeout $(( $(left) - 15 )) bash tools/gpu_tests.sh > "$OUT/r/ipc1.log" 2>&1
+      echo "rc=$?"; tail -25 "$OUT/r/ipc1.log" ;;
     pytest)
       ts "pytest $PYTEST_ARGS ($(left) s left)"
       export TRITON_F32_DEFAULT=ieee  # as gpu_tests.sh: the fp32 tests need IEEE matmuls in vLLM's Triton kernels

@@ -436,8 +436,16 @@ class VllmEngine(Engine):
     # ------------------------------------------------------------------ control
 
     async def _pause(self) -> None:
-        # Nothing is in flight; clear_cache drops KV blocks and the prefix cache of the old weights.
-        await self._llm.pause_generation(mode="wait", clear_cache=True)
+        # Nothing is in flight (the gate drained it); clear_cache drops the KV blocks and the prefix
+        # cache of the old weights. AsyncLLM.pause_generation is these two calls and then a 20 ms
+        # sleep that orders in-flight requests' last outputs before it returns ("not required for
+        # correctness", vLLM 0.26 and 0.32): with nothing in flight it only delays the update.
+        core = getattr(self._llm, "engine_core", None)
+        if not hasattr(core, "pause_scheduler_async"):  # another vLLM: its own pause, sleep included
+            await self._llm.pause_generation(mode="wait", clear_cache=True)
+            return
+        await self._llm.renderer.clear_mm_cache_async()
+        await core.pause_scheduler_async(mode="wait", clear_cache=True)
 
     async def _resume(self) -> None:
         await self._llm.resume_generation()
