@@ -308,6 +308,7 @@ def test_hf_loads_a_cuda_ipc_update_bucket_by_bucket_and_lets_go_of_the_mapping(
                 real(names_, views)
 
             engine._copy = copy
+            engine._my_handles = lambda u: list(u.handles)  # the GPU's own copy: picked on a GPU (test_ipc.py)
             await engine._load_ipc(update)  # past the checks, which need a GPU (test_ipc.py)
             gc.collect()
             return [r for r in seen if r() is not None], await engine.prompt_logprobs(np.arange(3, 20))

@@ -122,19 +122,47 @@ def test_buckets_of_one_allocation_are_mapped_once_and_viewed_at_their_offsets(m
         assert v.numel() == n and torch.equal(v, ((torch.arange(off, off + n) % 251).to(torch.uint8) + k))
 
 
-def ipc_update(base: dict[str, torch.Tensor], version: int, bucket_bytes: int = 4096, wrong_size: bool = False
-               ) -> IpcWeights:
-    """A cuda_ipc update of the engine's own tensors, each bucket with a fabricated handle."""
+def ipc_update(base: dict[str, torch.Tensor], version: int, bucket_bytes: int = 4096, wrong_size: bool = False,
+               gpus: tuple[str, ...] = (UUID,)) -> IpcWeights:
+    """A cuda_ipc update of the engine's own tensors, each bucket with a fabricated handle on each
+    of ``gpus`` (one copy per GPU, as a trainer of several colocated ranks sends)."""
     names = list(base)
     dtypes = [str(t.dtype).removeprefix("torch.") for t in base.values()]
     shapes = [list(t.shape) for t in base.values()]
     sizes = plan_buckets([t.numel() * t.element_size() for t in base.values()], bucket_bytes)
-    handles, lo = [], 0
-    for s in sizes:
-        total = bucket_layout(dtypes[lo:lo + s], shapes[lo:lo + s])[1] + (64 if wrong_size else 0)
-        handles.append(ipc.dumps(ipc.handle_from_reduction(*reduction(numel=total, offset=0), device_uuid=UUID)))
-        lo += s
+    handles = []
+    for i, gpu in enumerate(gpus):
+        lo = 0
+        for s in sizes:
+            total = bucket_layout(dtypes[lo:lo + s], shapes[lo:lo + s])[1] + (64 if wrong_size else 0)
+            handles.append(ipc.dumps(ipc.handle_from_reduction(
+                *reduction(numel=total, offset=0, handle=bytes([i + 1]) * 64), device_uuid=gpu)))
+            lo += s
     return IpcWeights(version=version, names=names, dtypes=dtypes, shapes=shapes, bucket_sizes=sizes, handles=handles)
+
+
+OTHER = "5b1d2a0c-0000-4000-8000-00000000ef01"
+
+
+def test_each_gpu_takes_its_own_copy_of_an_update_sent_from_several():
+    """A trainer of two colocated ranks sends one handle set per GPU; each engine worker takes the
+    set of its GPU, a GPU without one is refused naming the GPUs there are, and a wrong layout is
+    refused per copy."""
+    from treadle.rollout.engine.weights import WeightMismatch, check_ipc_buckets
+
+    base = {"a": torch.zeros(4), "b": torch.zeros(2, 2), "c": torch.zeros(8)}
+    update = ipc_update(base, 1, bucket_bytes=0, gpus=(UUID, OTHER))
+    assert len(update.handles) == 6
+    for i, gpu in enumerate((UUID, OTHER)):
+        mine = [ipc.loads(h) for h in check_ipc_buckets(update, gpu)]
+        assert [h.device_uuid for h in mine] == [gpu] * 3 and {h.storage_handle for h in mine} == {bytes([i + 1]) * 64}
+    with pytest.raises(ipc.IpcHandleError, match=f"buffers are on GPU\\(s\\) {UUID}, {OTHER}, this engine on abc"):
+        check_ipc_buckets(update, "abc")
+    with pytest.raises(WeightMismatch, match="layout needs"):
+        check_ipc_buckets(ipc_update(base, 1, wrong_size=True, gpus=(OTHER,)), OTHER)
+    twice = msgspec.structs.replace(update, handles=update.handles[:3] * 2)  # two copies claim one GPU
+    with pytest.raises(ipc.IpcHandleError, match=f"6 handles on GPU {UUID} for 3 buckets"):
+        check_ipc_buckets(twice, UUID)
 
 
 def test_an_update_with_a_handle_count_other_than_its_buckets_is_refused_by_the_record():
@@ -147,10 +175,8 @@ def test_engines_refuse_cuda_ipc_they_cannot_open_and_stay_usable(subject):
     engine, before = subject.engine, subject.engine.weight_version
     prompt = np.arange(3, 20)
     scores = subject.aio(engine.prompt_logprobs(prompt))
-    cases = [(ipc_update(subject.base, before + 1), "CUDA device" if subject.name == "hf" else "does not take")]
-    if subject.name == "hf":
-        cases.append((ipc_update(subject.base, before + 1, wrong_size=True), "layout needs"))
-    for update, match in cases:
+    match = "CUDA device" if subject.name == "hf" else "does not take"
+    for update in (ipc_update(subject.base, before + 1), ipc_update(subject.base, before + 1, wrong_size=True)):
         with pytest.raises(BadRequest, match=match):
             subject.aio(engine.update_weights(update))
     assert engine.weight_version == before and not engine.stats().broken and not engine.stats().paused

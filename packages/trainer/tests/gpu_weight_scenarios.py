@@ -1,6 +1,7 @@
 """Weight sync from a bf16 ZeRO-3 trainer on the GPUs (``torchrun``, 1 or 2 ranks) to two real
 rollout daemons (hf backend, bf16): over NCCL to one on another GPU, over CUDA IPC to one on
-rank 0's GPU. Run by test_gpu_weights.py; every rank writes ``<out>/rank<r>.json``.
+rank 0's GPU, and over CUDA IPC from every rank to a daemon with an engine on each rank's GPU.
+Run by test_gpu_weights.py; every rank writes ``<out>/rank<r>.json``.
 
 For each transport, bucketed and per tensor, two syncs with one sender (a training step before
 each, so every version differs; the second sync reuses the sender's group or IPC buffer).
@@ -67,8 +68,9 @@ def check(engine, client) -> dict:  # noqa: ANN001
     if client is None:
         return {}
     got = client.prompt_logprobs(np.asarray(PROBE))
-    return {"gap": float(np.abs(got - mine).max()), "version": client.health()["version"],
-            "digest_ok": list(client.weight_digest().values()) == [hf_digest(state, tied=True)]}
+    digests = list(client.weight_digest().values())  # one per engine
+    return {"gap": float(np.abs(got - mine).max()), "version": client.health()["version"], "engines": len(digests),
+            "digest_ok": bool(digests) and digests == [hf_digest(state, tied=True)] * len(digests)}
 
 
 def cases(cpu: bool) -> list[tuple[str, str, dict]]:
@@ -82,7 +84,10 @@ def cases(cpu: bool) -> list[tuple[str, str, dict]]:
     if not cpu:
         out += [("ipc_bucketed", "ipc", dict(transport="cuda_ipc", bucket_bytes=64 << 10, canary_token_ids=CANARY,
                                              canary_tolerance=BF16_TOL)),
-                ("ipc_per_tensor", "ipc", dict(transport="cuda_ipc", bucket_bytes=0))]
+                ("ipc_per_tensor", "ipc", dict(transport="cuda_ipc", bucket_bytes=0)),
+                # an engine on each rank's GPU: every rank shares its copy, each engine maps its own
+                ("ipc_every_rank", "pair", dict(transport="cuda_ipc", ipc_every_rank=True, bucket_bytes=64 << 10,
+                                                canary_token_ids=CANARY, canary_tolerance=BF16_TOL))]
     return out
 
 
@@ -90,7 +95,7 @@ def run(a: argparse.Namespace, clients: dict, main: bool) -> dict:
     from treadle.trainer.weights.sender import SenderConfig, WeightSender
 
     engine, out = build(a.model, dist.get_world_size()), {}
-    versions = {"nccl": 0, "ipc": 0}
+    versions = {"nccl": 0, "ipc": 0, "pair": 0}
     for k, (name, daemon, fields) in enumerate(cases(a.cpu)):
         client, rounds = clients.get(daemon), []
         with WeightSender(engine, config=SenderConfig(**fields), client=client, zero_stage=3, is_main=main) as s:
@@ -129,6 +134,7 @@ def main() -> int:
     parser.add_argument("--model", required=True)
     parser.add_argument("--nccl_endpoint", required=True)
     parser.add_argument("--ipc_endpoint", default="")
+    parser.add_argument("--pair_endpoint", default="", help="a daemon of one engine on each rank's GPU")
     parser.add_argument("--out", required=True)
     parser.add_argument("--cpu", action="store_true")
     a = parser.parse_args()
@@ -143,6 +149,8 @@ def main() -> int:
         clients["nccl"] = SyncRolloutClient(a.nccl_endpoint)
         if a.ipc_endpoint:
             clients["ipc"] = SyncRolloutClient(a.ipc_endpoint)
+        if a.pair_endpoint:
+            clients["pair"] = SyncRolloutClient(a.pair_endpoint)
     try:
         result = {"world": info.world, **run(a, clients, info.is_main)}
     except Exception:

@@ -236,11 +236,14 @@ def test_rm_un_dotted_keys_are_aliases_of_the_dotted_ones():
 
 
 def test_seed_ppo_command():
-    # Its one refused flag: NCCL cannot hold an engine and the trainer's rank on one GPU, and treadle
-    # replaces no backend (OpenRLHF switches to CUDA IPC there; treadle's serves rank 0's GPU only).
-    with pytest.raises(ConfigError, match=r"--vllm\.sync_backend nccl with --train\.colocate_all: .* use "
-                                          r"--vllm\.sync_backend gloo, or cuda_ipc .* or leave it unset"):
-        parse_ppo(ppo_seed_argv())
+    # --vllm.sync_backend nccl with --train.colocate_all: CUDA IPC from every rank's GPU, as OpenRLHF
+    from treadle.trainer.trainers.ppo_build import ipc_every_rank, sync_route
+
+    seed = parse_ppo(ppo_seed_argv())
+    assert seed.vllm.sync_backend == "nccl" and seed.engines_colocated
+    assert sync_route(seed, cuda=True) == ("cuda_ipc", "nccl") and ipc_every_rank(seed, "cuda_ipc")
+    with pytest.raises(ConfigError, match="--vllm.sync_backend nccl needs CUDA"):
+        sync_route(seed, cuda=False)
     cfg = parse_ppo(ppo_argv())
     for role in (cfg.ref, cfg.reward, cfg.critic, cfg.actor):
         assert (role.num_nodes, role.num_gpus_per_node) == (1, 8)
@@ -654,9 +657,10 @@ def test_the_sync_canary_is_on_by_default_sized_by_its_flag_and_checked(tokenize
 
 
 def test_the_weight_sync_goes_where_it_can_work():
-    """Unset, the backend is picked per placement (gloo on CPU and for colocated engines, nccl
-    otherwise); a backend given is used or refused, never replaced; cuda_ipc needs CUDA."""
-    from treadle.trainer.trainers.ppo_build import sync_route
+    """Unset, the backend is picked per placement (colocated engines: cuda_ipc from every rank on
+    CUDA, gloo on CPU; else nccl on CUDA, gloo on CPU); nccl means cuda_ipc for colocated engines
+    (OpenRLHF's meaning); a backend given is otherwise used or refused; cuda_ipc needs CUDA."""
+    from treadle.trainer.trainers.ppo_build import ipc_every_rank, sync_route
 
     def with_backend(backend, *extra, colocated=True):
         argv = ppo_argv()
@@ -667,17 +671,17 @@ def test_the_weight_sync_goes_where_it_can_work():
                 argv.remove(flag)
         return parse_ppo([*argv, *(["--vllm.sync_backend", backend] if backend else []), *extra])
 
-    seed = with_backend(None)
+    seed = with_backend(None)  # 4 engines of TP 2 on the trainer's 8 GPUs
     assert seed.train.colocate_all and seed.vllm.sync_backend is None
-    assert sync_route(seed, cuda=True) == ("collective", "gloo")
+    assert sync_route(seed, cuda=True) == ("cuda_ipc", "nccl") and ipc_every_rank(seed, "cuda_ipc")
     assert sync_route(seed, cuda=False) == ("collective", "gloo")
-    assert sync_route(with_backend(None, colocated=False), cuda=True) == ("collective", "nccl")
-    assert sync_route(with_backend(None, colocated=False), cuda=False) == ("collective", "gloo")
+    apart = with_backend(None, colocated=False)
+    assert sync_route(apart, cuda=True) == ("collective", "nccl") and not ipc_every_rank(apart, "collective")
+    assert sync_route(apart, cuda=False) == ("collective", "gloo")
     assert sync_route(with_backend("nccl", colocated=False), cuda=True) == ("collective", "nccl")
     with pytest.raises(ConfigError, match="--vllm.sync_backend nccl needs CUDA: on CPU use gloo"):
         sync_route(with_backend("nccl", colocated=False), cuda=False)
-    with pytest.raises(ConfigError, match="--vllm.sync_backend nccl with --train.colocate_all"):
-        with_backend("nccl")
+    assert sync_route(with_backend("nccl"), cuda=True) == ("cuda_ipc", "nccl")
     assert sync_route(with_backend("gloo"), cuda=True) == ("collective", "gloo")
     one_hf = ("--vllm.backend", "hf", "--vllm.num_engines", "1", "--vllm.tensor_parallel_size", "1",
               "--actor.num_gpus_per_node", "1", "--ref.num_gpus_per_node", "1", "--reward.num_gpus_per_node", "1",
@@ -685,15 +689,18 @@ def test_the_weight_sync_goes_where_it_can_work():
     assert sync_route(with_backend("cuda_ipc", *one_hf), cuda=True) == ("cuda_ipc", "nccl")
     one_vllm = [*one_hf[2:]]  # the vllm backend takes cuda_ipc too
     assert sync_route(with_backend("cuda_ipc", *one_vllm), cuda=True) == ("cuda_ipc", "nccl")
-    # unset, colocated, one engine GPU of the trainer's own daemon: CUDA IPC (gloo on CPU)
     assert sync_route(with_backend(None, *one_vllm), cuda=True) == ("cuda_ipc", "nccl")
     assert sync_route(with_backend(None, *one_vllm), cuda=False) == ("collective", "gloo")
+    # a running daemon colocated with the trainer (the launcher's, or one given the same GPUs)
     assert sync_route(with_backend(None, *one_vllm, "--vllm.endpoint", "tcp://127.0.0.1:5570"),
-                      cuda=True) == ("collective", "gloo")
-    with pytest.raises(ConfigError, match="puts its 8 engine GPUs on GPUs of their own"):  # at parse time
-        with_backend("cuda_ipc", "--vllm.backend", "hf")
-    # a running daemon (--vllm.endpoint): its engines say for themselves whether they can open the handles
-    assert sync_route(with_backend("cuda_ipc", "--vllm.endpoint", "tcp://127.0.0.1:5570"), cuda=True)[0] == "cuda_ipc"
+                      cuda=True) == ("cuda_ipc", "nccl")
+    # colocated, 8 engine GPUs: every rank shares its copy
+    assert sync_route(with_backend("cuda_ipc", "--vllm.backend", "hf"), cuda=True) == ("cuda_ipc", "nccl")
+    with pytest.raises(ConfigError, match="puts its 4 engine GPUs on GPUs of their own"):  # at parse time
+        with_backend("cuda_ipc", "--vllm.num_engines", "2", colocated=False)
+    # engines apart on a running daemon: rank 0 alone shares, its engines say whether they can open it
+    running = with_backend("cuda_ipc", "--vllm.endpoint", "tcp://127.0.0.1:5570", colocated=False)
+    assert sync_route(running, cuda=True)[0] == "cuda_ipc" and not ipc_every_rank(running, "cuda_ipc")
     with pytest.raises(ConfigError, match="cuda_ipc shares GPU memory: it needs CUDA"):
         sync_route(with_backend("cuda_ipc", *one_hf), cuda=False)
 

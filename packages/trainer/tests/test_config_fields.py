@@ -253,9 +253,6 @@ PPO = BASE["ppo"]
     (["--reward.remote_url", "None", "--reward.model_name_or_path", "rm1,rm2"],
      r"--reward\.model_name_or_path lists 2 models; this trainer scores with one .* list them in --reward\.remote_url"),
     (["--vllm.sync_backend", "cuda_ipc", "--vllm.num_engines", "2"], r"cuda_ipc .* puts its 2 engine GPUs"),
-    # nccl cannot hold the trainer's rank 0 and an engine of its GPU: refused, no longer turned into gloo
-    (["--vllm.sync_backend", "nccl", "--train.colocate_all", "--vllm.num_engines", "1"],
-     r"--vllm\.sync_backend nccl with --train\.colocate_all: .* leave it unset"),
     # placements of their own were silently the trainer's ranks
     (["--algo.kl.init_coef", "0.01", "--ref.num_gpus_per_node", "4"],
      r"--ref\.num_gpus_per_node 4: the reference runs in the trainer's ranks beside the actor"),

@@ -1,7 +1,8 @@
 """On 2 GPUs (``-m gpu``): weight sync from a bf16 ZeRO-3 trainer (2 ranks under torchrun) to
 real ``treadle-rollout serve --backend hf --engine.device cuda`` daemons (bf16, tiny model "a"):
 over NCCL to a daemon on GPU 1, over CUDA IPC to a daemon on GPU 0 (rank 0's GPU), bucketed
-and per tensor, two versions each (``gpu_weight_scenarios.py``), and by two senders taking
+and per tensor, two versions each (``gpu_weight_scenarios.py``), over CUDA IPC from both ranks to
+a daemon with an engine on each GPU (each maps its own GPU's copy), and by two senders taking
 turns on the NCCL daemon. After every sync the daemon's
 weights are bit-identical to the trainer's (digests) and its prompt logprobs match the
 trainer's own forward; a cuda_ipc update to the daemon on the other GPU is refused.
@@ -45,11 +46,11 @@ def child_env() -> dict[str, str]:
 class GpuDaemon:
     """One ``treadle-rollout serve`` on one GPU (hf backend, bf16, one engine)."""
 
-    def __init__(self, model: Path, gpu: int, cpus: str) -> None:
+    def __init__(self, model: Path, gpu: str, cpus: str, engines: int = 1) -> None:
         self.endpoint = f"tcp://127.0.0.1:{free_port()}"
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "treadle.rollout", "serve", "--endpoint", self.endpoint, "--model", str(model),
-             "--backend", "hf", "--engines", "1", "--gpu_ids", str(gpu), "--cpus", *cpus.split(","),
+             "--backend", "hf", "--engines", str(engines), "--gpu_ids", *gpu.split(","), "--cpus", *cpus.split(","),
              "--engine.device", "cuda", "--engine.dtype", "bfloat16", "--health_interval_s", "1"],
             env=child_env(), start_new_session=True, stdin=subprocess.DEVNULL)
 
@@ -78,7 +79,8 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def daemons(models: dict[str, Path]) -> dict[str, GpuDaemon]:
-    started = {"nccl": GpuDaemon(models["a"], 1, "8,9,10,11"), "ipc": GpuDaemon(models["a"], 0, "12,13,14,15")}
+    started = {"nccl": GpuDaemon(models["a"], "1", "8,9,10,11"), "ipc": GpuDaemon(models["a"], "0", "12,13,14,15"),
+               "pair": GpuDaemon(models["a"], "0,1", "4,5,6,7", engines=2)}
     try:
         for d in started.values():
             d.wait_ready()
@@ -91,7 +93,8 @@ def daemons(models: dict[str, Path]) -> dict[str, GpuDaemon]:
 def test_zero3_weights_reach_gpu_daemons_bit_identical_over_nccl_and_ipc(daemons, models, tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            str(HERE / "gpu_weight_scenarios.py"), "--model", str(models["b"]), "--out", str(tmp_path),
-           "--nccl_endpoint", daemons["nccl"].endpoint, "--ipc_endpoint", daemons["ipc"].endpoint]
+           "--nccl_endpoint", daemons["nccl"].endpoint, "--ipc_endpoint", daemons["ipc"].endpoint,
+           "--pair_endpoint", daemons["pair"].endpoint]
     proc = subprocess.run(cmd, env=child_env(), capture_output=True, text=True, timeout=300, cwd=ROOT)
     results = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("rank*.json"))]
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
@@ -103,6 +106,8 @@ def test_zero3_weights_reach_gpu_daemons_bit_identical_over_nccl_and_ipc(daemons
             assert r["digest_ok"] and r["gap"] <= BF16_TOL, (name, r)
             assert r["report"]["updated"] == ["e0"] and r["version"] == r["report"]["version"], (name, r)
         assert second["version"] == first["version"] + 1
+    for r in main["ipc_every_rank"]:  # each engine mapped the copy on its own GPU
+        assert r["digest_ok"] and r["engines"] == 2 and r["report"]["updated"] == ["e0", "e1"], r
     assert main["nccl_bucketed"][0]["report"]["buckets"] > 1 and main["ipc_per_tensor"][0]["report"]["buckets"] == 26
     for r in main["two_senders"]:  # first, second, first again on one daemon's NCCL group
         assert r["digest_ok"] and r["report"]["updated"] == ["e0"], r

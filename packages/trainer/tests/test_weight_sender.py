@@ -229,6 +229,46 @@ def test_cuda_ipc_transport_needs_cuda(model_b):
 
 
 
+def test_per_gpu_copies_merge_one_set_per_gpu_in_rank_order():
+    """Every rank's handle set reaches rank 0; one set per GPU is sent (two ranks of one GPU: the
+    first's), and a rank that shared none (its packing failed) fails the sync naming it."""
+    from treadle.common import ipc
+    from treadle.trainer.weights.cuda_ipc import merge_copies
+    from treadle.trainer.weights.outcome import WeightSyncFailed
+
+    def handle(gpu: str, n: int) -> bytes:
+        return ipc.dumps(ipc.IpcHandle(format=ipc.FORMAT, device_uuid=gpu, numel=n, tensor_offset=0,
+                                       storage_handle=b"h", storage_size_bytes=1 << 20, storage_offset_bytes=0,
+                                       ref_counter_handle=b"r", ref_counter_offset=0, event_handle=b"",
+                                       event_sync_required=False))
+
+    a, b, c = ([handle(g, n) for n in (64, 128)] for g in ("gpu-a", "gpu-b", "gpu-a"))
+    assert merge_copies([a, b, c]) == [*a, *b]
+    with pytest.raises(WeightSyncFailed, match=r"rank\(s\) \[1\] shared no copy"):
+        merge_copies([a, [], b])
+
+
+GATHER = """
+import os, sys, torch
+from treadle.trainer.weights.outcome import Rank
+rank = int(sys.argv[1])
+torch.distributed.init_process_group("gloo", store=torch.distributed.FileStore(sys.argv[2], 2), rank=rank,
+                                     world_size=2)
+r = Rank(zero3=True, main=rank == 0, client=None, device=torch.device("cpu"), mode="wait")
+print(repr(r.all_gather_bytes(b"" if rank else (bytes([0]) + b"rank zero's handles") * 3)))
+torch.distributed.destroy_process_group()
+"""
+
+
+def test_ranks_gather_their_bytes_of_any_length(tmp_path):
+    """``Rank.all_gather_bytes`` over 2 gloo ranks: each gets every rank's bytes, an empty one too."""
+    procs = [subprocess.Popen([sys.executable, "-c", GATHER, str(i), str(tmp_path / "store")], stdout=subprocess.PIPE,
+                              text=True) for i in range(2)]
+    outs = [p.communicate(timeout=120)[0].strip() for p in procs]
+    assert [p.returncode for p in procs] == [0, 0]
+    assert outs == [repr([b"\x00rank zero's handles" * 3, b""])] * 2
+
+
 # ------------------------------------------------------------------ against a daemon, in this process
 
 

@@ -11,6 +11,10 @@ may number GPUs differently under ``CUDA_VISIBLE_DEVICES``), maps each distinct 
 once with torch's ``rebuild_cuda_tensor`` (which also keeps torch's IPC reference count: one
 share, one mapping, one release) and returns a view per bucket.
 
+Several copies, one per GPU: a sender of several ranks whose GPUs each hold engine workers
+(``--train.colocate_all`` on several GPUs, as OpenRLHF's per-GPU IPC handles) sends one set of
+handles per GPU in one update; each worker takes the set on its own GPU (``handles_on``).
+
 Lifetime: the sender keeps the buffer unchanged until the engine has answered (it also waits
 for its own copies into the buffer before sharing it); the engine waits for its copies out of
 the buffer, then drops every view (which unmaps it), then answers.
@@ -133,6 +137,20 @@ def encode_buckets(buffer: torch.Tensor, spans: list[tuple[int, int]]) -> list[b
     rebuild, args = reduce_tensor(buffer)
     base = handle_from_reduction(rebuild, args, device_uuid(buffer.device))
     return [dumps(msgspec.structs.replace(base, numel=n, tensor_offset=base.tensor_offset + off)) for off, n in spans]
+
+
+def handles_on(handles: list[bytes], uuid: str, buckets: int) -> list[bytes]:
+    """The ``buckets`` handles of ``handles`` (one set per GPU holding a copy) whose buffer lives
+    on the GPU ``uuid``, in bucket order; ``IpcHandleError`` naming the GPUs there are when that
+    GPU has none (or another count)."""
+    mine = [h for h in handles if loads(h).device_uuid == uuid]
+    if len(mine) != buckets:
+        gpus = sorted({loads(h).device_uuid for h in handles})
+        if not mine:
+            raise IpcHandleError(f"cuda_ipc: the sender's buffers are on GPU(s) {', '.join(gpus)}, this engine on "
+                                 f"{uuid}: colocate them (same GPU) or use the collective transport")
+        raise IpcHandleError(f"cuda_ipc: {len(mine)} handles on GPU {uuid} for {buckets} buckets")
+    return mine
 
 
 def check_colocated(handle: IpcHandle, device: torch.device, mine: str | None = None) -> None:

@@ -445,13 +445,16 @@ class IpcWeights(WeightUpdate):
     bucket_sizes: list[int] = []
     """Tensors in each bucket; empty: one tensor per bucket."""
     handles: list[bytes] = []
-    """One handle per bucket (``ipc.encode_buckets``)."""
+    """One handle per bucket (``ipc.encode_buckets``) for each GPU holding a copy (a trainer of
+    several colocated ranks shares one per rank's GPU); an engine's workers take those on their
+    own GPU (``ipc.handles_on``)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
         buckets = len(self.bucket_sizes) if self.bucket_sizes else len(self.names)
-        if len(self.handles) != buckets:
-            raise ValueError(f"IpcWeights: {len(self.handles)} handles for {buckets} buckets")
+        if (len(self.handles) % buckets if buckets else len(self.handles)) or (buckets and not self.handles):
+            raise ValueError(f"IpcWeights: {len(self.handles)} handles for {buckets} buckets (one per bucket "
+                             "for each GPU holding a copy)")
 
 
 WEIGHT_UPDATES: dict[str, type[WeightUpdate]] = {

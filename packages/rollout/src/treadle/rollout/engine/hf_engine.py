@@ -415,16 +415,21 @@ class HfEngine(Engine):
         await self._call(self._adapt, update)
         await self._call(self._copy, update.names, tensors)
 
+    def _my_handles(self, update: IpcWeights) -> list[bytes]:
+        """``update``'s handles on this engine's GPU, checked against the layout."""
+        if self.device.type != "cuda" or self._uuid is None:
+            raise ipc.IpcHandleError(f"cuda_ipc needs an engine on a CUDA device colocated with the sender; "
+                                     f"engine {self.engine_id} runs on {self.device}")
+        return check_ipc_buckets(update, self._uuid)
+
     async def _check_ipc(self, update: IpcWeights) -> None:
-        handles = check_ipc_buckets(update)
-        if handles:
-            ipc.check_colocated(handles[0], self.device, mine=self._uuid)
+        self._my_handles(update)
 
     def _copy_ipc(self, update: IpcWeights) -> None:
-        """Map the sender's buckets, copy each one's tensors into the model, wait, unmap."""
+        """Map the sender's buckets on this GPU, copy each one's tensors into the model, wait, unmap."""
         flats = flat = None
         try:
-            flats = ipc.open_handles(update.handles, self.device)
+            flats = ipc.open_handles(self._my_handles(update), self.device)
             for (lo, hi), flat in zip(bucket_ranges(update.bucket_sizes, len(update.names)), flats, strict=True):
                 self._copy(update.names[lo:hi], bucket_views(flat, update.dtypes[lo:hi], update.shapes[lo:hi]))
         finally:

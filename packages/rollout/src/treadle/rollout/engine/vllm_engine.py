@@ -46,7 +46,6 @@ import numpy as np
 from treadle.common.config import ConfigError
 from treadle.common.env import scoped_environ
 from treadle.common.errors import BadRequest, EngineDead
-from treadle.common.ipc import IpcHandleError
 from treadle.common.records import (
     CollectiveWeights,
     FinishReason,
@@ -206,7 +205,7 @@ class VllmEngine(Engine):
     """Engine over ``vllm.v1.engine.async_llm.AsyncLLM``."""
 
     backend = "vllm"
-    _uuid: str | None = None  # the worker's GPU, asked at the first cuda_ipc update (``_check_ipc``)
+    _uuids: tuple[str, ...] | None = None  # the workers' GPUs, asked at the first cuda_ipc update (``_check_ipc``)
 
     def __init__(self, config: VllmEngineConfig) -> None:
         super().__init__(engine_id=config.engine_id, initial_version=config.initial_version)
@@ -379,19 +378,13 @@ class VllmEngine(Engine):
         await self._llm.update_weight_version(str(update.version))
 
     async def _check_ipc(self, update: IpcWeights) -> None:
-        cfg = self.config
         if self._on_cpu:
             raise BadRequest(f"engine {self.engine_id}: vLLM on CPU does not take cuda_ipc weight updates (they "
                              "share the sender's GPU memory): send them collective or inline")
-        if cfg.tensor_parallel_size * cfg.pipeline_parallel_size > 1:
-            raise BadRequest(f"engine {self.engine_id} has {cfg.tensor_parallel_size * cfg.pipeline_parallel_size} "
-                             "workers on as many GPUs; cuda_ipc shares one GPU's buckets: send collective updates")
-        handles = check_ipc_buckets(update)
-        if self._uuid is None:  # asked once: the front end has no CUDA context of the worker's
-            self._uuid = str((await self._rpc("treadle_device_uuid"))[0])
-        if handles and handles[0].device_uuid != self._uuid:
-            raise IpcHandleError(f"cuda_ipc: the sender's buffer is on GPU {handles[0].device_uuid}, engine "
-                                 f"{self.engine_id} on {self._uuid}: colocate them (same GPU) or send collective")
+        if self._uuids is None:  # asked once: the front end has no CUDA context of the workers'
+            self._uuids = tuple(str(u) for u in await self._rpc("treadle_device_uuid"))
+        for uuid in self._uuids:  # each worker (tensor / pipeline parallel: one per GPU) loads its GPU's copy
+            check_ipc_buckets(update, uuid)
 
     async def _load_ipc(self, update: IpcWeights) -> None:
         if update.adapter is not None:

@@ -4,7 +4,8 @@ vLLM mixes this class into its worker class (``worker_extension_cls``); the engi
 the ``treadle_*`` methods on every worker through ``AsyncLLM.collective_rpc``. Arguments cross
 the process boundary as msgpack, so tensors never travel through the RPC: inline updates come as
 a staged safetensors file path, collective updates as buckets over a ``common.weights.WeightGroup``,
-cuda_ipc updates as the handles of the sender's buckets on this worker's GPU (``common.ipc``).
+cuda_ipc updates as the handles of the sender's buckets, each worker taking the copy on its own GPU
+(``common.ipc``).
 
 Loading: an unquantized model on a GPU loads in place through ``model.load_weights`` (each
 parameter's own loader copies into its storage, which CUDA graphs keep pointing at), as OpenRLHF
@@ -72,15 +73,15 @@ class TreadleWorkerExtension:
 
     def treadle_load_ipc(self, handles: Sequence[bytes], names: Sequence[str], dtypes: Sequence[str],
                          shapes: Sequence[Sequence[int]], bucket_sizes: Sequence[int], skip: Sequence[str]) -> None:
-        """Map the sender's buckets (one handle each, on this worker's GPU), load their tensors,
-        wait for the copies, unmap."""
+        """Map the sender's buckets on this worker's GPU (one handle each, of the sender's copy
+        there), load their tensors, wait for the copies, unmap."""
         import torch
 
         from treadle.common.ipc import open_handles
 
         flats = buckets = None
         try:
-            flats = open_handles(list(handles), self.device)  # checks the buffer is on this GPU
+            flats = open_handles(self._treadle_mine(handles, names, bucket_sizes), self.device)
             buckets = ((lo, hi, bucket_views(flat, dtypes[lo:hi], shapes[lo:hi]))
                        for (lo, hi), flat in zip(bucket_ranges(bucket_sizes, len(names)), flats, strict=True))
             self._treadle_reload(_named(names, frozenset(skip), buckets))
@@ -90,6 +91,12 @@ class TreadleWorkerExtension:
             if flats is not None:
                 torch.cuda.synchronize(self.device)
             flats = buckets = None
+
+    def _treadle_mine(self, handles: Sequence[bytes], names: Sequence[str], bucket_sizes: Sequence[int]) -> list[bytes]:
+        """The handles of the sender's copy on this worker's GPU (one set per GPU holding one)."""
+        from treadle.common.ipc import device_uuid, handles_on
+
+        return handles_on(list(handles), device_uuid(self.device), len(bucket_sizes) if bucket_sizes else len(names))
 
     def treadle_join_group(self, group: dict[str, Any]) -> int:
         """Join the sender's group (or a relay's) at this worker's rank (``worker_spec``); returns it."""
@@ -119,7 +126,7 @@ class TreadleWorkerExtension:
 
         if self.rank != 0:
             return
-        flats = open_handles(list(handles), self.device)
+        flats = open_handles(self._treadle_mine(handles, names, bucket_sizes), self.device)
         try:
             buckets = ((lo, hi, bucket_views(flat, dtypes[lo:hi], shapes[lo:hi]))
                        for (lo, hi), flat in zip(bucket_ranges(bucket_sizes, len(names)), flats, strict=True))

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from treadle.common.errors import CanaryMismatch, WeightMismatch
-from treadle.common.ipc import IpcHandle, loads
+from treadle.common.ipc import handles_on, loads
 from treadle.common.records import IpcWeights
 from treadle.common.weights import bucket_layout, bucket_ranges
 
@@ -174,16 +174,19 @@ def model_eos_ids(folder: str | Path) -> tuple[int, ...]:
     return ()
 
 
-def check_ipc_buckets(update: IpcWeights) -> list[IpcHandle]:
-    """Decode ``update``'s handles (``ipc.loads``: strict) and raise ``WeightMismatch`` unless each
-    bucket's bytes are what its tensors' layout needs; the handles, in bucket order."""
-    handles = [loads(h) for h in update.handles]
+def check_ipc_buckets(update: IpcWeights, uuid: str) -> list[bytes]:
+    """The handles of ``update`` on the GPU ``uuid`` (``ipc.handles_on``: strict, and
+    ``IpcHandleError`` when that GPU has none); ``WeightMismatch`` unless each bucket's bytes are
+    what its tensors' layout needs. In bucket order."""
+    buckets = len(update.bucket_sizes) if update.bucket_sizes else len(update.names)
+    mine = handles_on(update.handles, uuid, buckets)
+    handles = [loads(h) for h in mine]
     for h, (lo, hi) in zip(handles, bucket_ranges(update.bucket_sizes, len(update.names)), strict=True):
         need = bucket_layout(update.dtypes[lo:hi], update.shapes[lo:hi])[1]
         if h.numel != need:
             raise WeightMismatch(f"cuda_ipc bucket of tensors [{lo}, {hi}) has {h.numel} bytes, its "
                                  f"layout needs {need}")
-    return handles
+    return mine
 
 
 def as_tensor(a: Any) -> torch.Tensor:

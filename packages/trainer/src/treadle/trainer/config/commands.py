@@ -496,11 +496,7 @@ def _check_weight_sync(cfg: PPOConfig) -> None:
     if v.sync_adapters and v.backend == "vllm" and cfg.ds.lora.rank > VLLM_LORA_RANKS[-1]:
         raise ConfigError(f"--vllm.sync_adapters: vLLM serves LoRA ranks up to {VLLM_LORA_RANKS[-1]}, "
                           f"--ds.lora.rank is {cfg.ds.lora.rank}")
-    if v.sync_backend == "nccl" and cfg.engines_colocated:
-        raise ConfigError("--vllm.sync_backend nccl with --train.colocate_all: the engines share the trainer's GPUs and "
-                          "NCCL cannot hold two processes of one GPU in a group; use --vllm.sync_backend gloo, or "
-                          "cuda_ipc for one engine on rank 0's GPU, or leave it unset (colocated: gloo)")
     engine_gpus = v.num_engines * v.tensor_parallel_size
-    if v.sync_backend == "cuda_ipc" and v.endpoint is None and engine_gpus > 1:
+    if v.sync_backend == "cuda_ipc" and v.endpoint is None and engine_gpus > 1 and not cfg.engines_colocated:
         raise ConfigError(f"--vllm.sync_backend cuda_ipc serves engines on rank 0's GPU, and a daemon started here "
                           f"puts its {engine_gpus} engine GPUs on GPUs of their own; use gloo")

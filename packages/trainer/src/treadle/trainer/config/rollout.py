@@ -105,13 +105,13 @@ class VLLMConfig:
     tensor_parallel_size: int = 1
     """GPUs per engine (tensor parallel)."""
     sync_backend: Literal["nccl", "gloo", "cuda_ipc"] | None = None
-    """How new weights reach the engines: a broadcast over NCCL (CUDA only; not with
-    --train.colocate_all, since NCCL cannot hold two processes of one GPU in a group) or gloo, or
-    cuda_ipc: engines on rank 0's GPU copy them out of its packed buckets (CUDA). None picks per
-    placement: nccl on CUDA, gloo on CPU; with --train.colocate_all cuda_ipc where the trainer's own
-    daemon has one engine GPU, else gloo (with --train.async_enable the engines have GPUs of their
-    own: nccl). A backend that cannot work where the run is
-    placed is refused, never replaced."""
+    """How new weights reach the engines: a broadcast over NCCL (CUDA only) or gloo, or cuda_ipc:
+    engines on the trainer's GPUs copy them out of its packed buckets (CUDA; with
+    --train.colocate_all every rank shares a copy on its GPU and each engine worker maps its own,
+    as OpenRLHF; else the engines on rank 0's GPU). None picks per placement: nccl on CUDA, gloo on
+    CPU; with --train.colocate_all (without --train.async_enable) cuda_ipc on CUDA, which nccl
+    also means there (as in OpenRLHF: NCCL cannot hold two processes of one GPU in a group). A
+    backend that cannot work where the run is placed is refused."""
     sync_adapters: bool = False
     """With --ds.lora.rank: each sync sends the LoRA adapter alone (megabytes), not the merged model;
     the engines serve their base model with it (vLLM's enable_lora: a daemon the trainer starts gets

@@ -339,7 +339,8 @@ def sender(parts: PPOParts) -> Any:
     conf = SenderConfig(transport=transport, backend=backend, bucket_bytes=cfg.vllm.bucket_mb << 20,
                         dtype=DTYPES[cfg.ds.param_dtype], mode="abort" if cfg.train.partial_rollout_enable else "wait",
                         host=cfg.vllm.sync_host, canary_token_ids=canary_ids(parts.tokenizer, cfg.canary_size),
-                        canary_tolerance=tolerance, adapters=cfg.vllm.sync_adapters)
+                        canary_tolerance=tolerance, adapters=cfg.vllm.sync_adapters,
+                        ipc_every_rank=ipc_every_rank(cfg, transport))
     return WeightSender(parts.actor, config=conf, client=parts.sync_client, zero_stage=cfg.ds.zero_stage,
                         is_main=parts.dist.is_main)
 
@@ -365,13 +366,12 @@ def canary_ids(tokenizer: Any, n: int) -> tuple[int, ...]:
 
 def sync_route(cfg: PPOConfig, *, cuda: bool) -> tuple[str, str]:
     """``(transport, backend)`` of the weight sync (pure). ``--vllm.sync_backend`` unset picks per
-    placement: nccl on CUDA; gloo on CPU; where the engines share the trainer's GPUs
-    (``engines_colocated``: ``--train.colocate_all`` without ``--train.async_enable``) cuda_ipc when
-    the trainer's own daemon has one engine GPU (rank 0's: OpenRLHF's choice there too), else gloo,
-    as NCCL refuses a group holding two processes of one GPU.
-    A backend given is used as given, or refused (ConfigError) where it cannot work: what only the
-    config decides is refused at parse time (``config.commands``), what needs CUDA here. cuda_ipc:
-    engines on rank 0's GPU copy out of its packed buckets."""
+    placement: where the engines share the trainer's GPUs (``engines_colocated``:
+    ``--train.colocate_all`` without ``--train.async_enable``) cuda_ipc on CUDA, every rank sharing a
+    copy on its GPU (``ipc_every_rank``: OpenRLHF's per-GPU IPC handles), and so is ``nccl`` there
+    (OpenRLHF's meaning of its default); else nccl on CUDA, gloo on CPU. A backend given is used as given, or refused (ConfigError) where it cannot work: what
+    only the config decides is refused at parse time (``config.commands``), what needs CUDA here.
+    cuda_ipc: engines on the trainer's GPUs copy out of its packed buckets."""
     backend = cfg.vllm.sync_backend
     v = cfg.vllm
     if cuda and v.sync_adapters and v.backend == "vllm" and v.endpoint is None and cfg.ds.param_dtype == "fp32":
@@ -384,12 +384,17 @@ def sync_route(cfg: PPOConfig, *, cuda: bool) -> tuple[str, str]:
         return "cuda_ipc", "nccl"
     if backend == "nccl" and not cuda:
         raise ConfigError("--vllm.sync_backend nccl needs CUDA: on CPU use gloo, or leave it unset")
+    if backend in (None, "nccl") and cuda and cfg.engines_colocated:
+        return "cuda_ipc", "nccl"  # as OpenRLHF: NCCL cannot hold two processes of one GPU in a group
     if backend is None:
-        one_gpu = cfg.vllm.endpoint is None and cfg.vllm.num_engines * cfg.vllm.tensor_parallel_size == 1
-        if cuda and cfg.engines_colocated and one_gpu:
-            return "cuda_ipc", "nccl"
-        backend = "nccl" if cuda and not cfg.engines_colocated else "gloo"
+        backend = "nccl" if cuda else "gloo"
     return "collective", backend
+
+
+def ipc_every_rank(cfg: PPOConfig, transport: str) -> bool:
+    """Whether every rank shares a cuda_ipc copy (the engines are on every trainer GPU), not rank 0
+    alone (an engine on rank 0's GPU). Pure."""
+    return transport == "cuda_ipc" and cfg.engines_colocated
 
 
 def process_reward_model(cfg: PPOConfig, dist: DistInfo, tokenizer: Any) -> tuple[Any | None, tuple[int, ...]]:

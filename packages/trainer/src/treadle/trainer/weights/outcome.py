@@ -103,11 +103,32 @@ class Rank:
         """Whether this rank takes part in walking the buckets."""
         return self.main or self.zero3
 
+    def cpu_group(self) -> Any:
+        """The group outcomes are shared over (made at the first sync, where every rank is)."""
+        if self.group is False:
+            self.group = outcome_group()
+        return self.group
+
     def settle(self, err: BaseException | None, version: int) -> None:
         """Every rank: return when rank 0 had no error, else raise (``raise_outcome``)."""
-        if self.group is False:  # made at the first sync, where every rank is
-            self.group = outcome_group()
-        raise_outcome(share_outcome(err, self.group), err, version)
+        raise_outcome(share_outcome(err, self.cpu_group()), err, version)
+
+    def all_gather_bytes(self, data: bytes) -> list[bytes]:
+        """Every rank's ``data``, in rank order, on every rank (a collective over ``cpu_group``;
+        ``[data]`` on one rank): lengths first, then the padded bytes."""
+        dist = torch.distributed
+        group = self.cpu_group()
+        if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+            return [data]
+        world = dist.get_world_size(group)
+        lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+        dist.all_gather(lengths, torch.tensor([len(data)], dtype=torch.int64), group=group)
+        longest = max(1, *(int(n) for n in lengths))
+        mine = torch.zeros(longest, dtype=torch.uint8)
+        mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else mine[:0]
+        out = [torch.empty(longest, dtype=torch.uint8) for _ in range(world)]
+        dist.all_gather(out, mine, group=group)
+        return [t[:int(n)].numpy().tobytes() for t, n in zip(out, lengths, strict=True)]
 
 
 @dataclass(slots=True, kw_only=True)

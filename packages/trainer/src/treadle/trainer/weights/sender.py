@@ -10,7 +10,7 @@
 tensors, under which names, in which dtype; with ``adapters``, ``plan.adapter_plan``: a LoRA
 model's adapter alone, which the engines serve on their base weights; the canary's logprobs if one is configured, a
 forward pass that is a collective under ZeRO-3), *send* (the transport: ``collective`` over a
-gloo / NCCL group, ``cuda_ipc`` for engines on rank 0's GPU, ``inline`` for tests and tiny
+gloo / NCCL group, ``cuda_ipc`` for engines on rank 0's GPU (or on every rank's), ``inline`` for tests and tiny
 models; each walks the buckets, gathering ZeRO-3 partitions one bucket at a time), *report*
 (``SyncReport``). Rank 0's outcome is shared, so every rank returns or raises alike: rank 0 the
 daemon's typed error (``EnginesQuarantined``, ``WeightMismatch`` for a name or shape mismatch,
@@ -64,6 +64,7 @@ class SenderConfig:
     port: int = 0  # collective: the TCPStore's port; 0: a free one, picked at each join
     timeout_s: float = 300.0  # collective: joining, and each broadcast
     adapters: bool = False  # send the LoRA adapter alone (``plan.adapter_plan``), not the merged model
+    ipc_every_rank: bool = False  # cuda_ipc: every rank shares a copy on its GPU (engines on all of them)
 
     def __post_init__(self) -> None:
         if self.transport not in ("collective", "inline", "cuda_ipc"):
@@ -129,8 +130,10 @@ class WeightSender:
         if config.transport == "collective":
             self._transport: Any = Collective(self._rank, backend=config.backend, host=config.host, port=config.port,
                                               timeout_s=config.timeout_s)
+        elif config.transport == "cuda_ipc":
+            self._transport = CudaIpc(self._rank, every_rank=config.ipc_every_rank)
         else:
-            self._transport = {"inline": Inline, "cuda_ipc": CudaIpc}[config.transport](self._rank)
+            self._transport = Inline(self._rank)
         self._closed = False
 
     def sync(self, version: int) -> SyncReport:
