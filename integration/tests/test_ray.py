@@ -47,9 +47,9 @@ def shrunk_seed(tiny: Path, chat: Path, out: Path) -> list[str]:
     """The seed's flags with sizes for one CPU: 1 "GPU" per role, 1 engine, tiny model, 2 steps.
 
     Dropped: ``--ds.enable_sleep`` (it offloads ZeRO-3 states to host memory between phases, which
-    means nothing on a CPU-only machine), ``--vllm.sync_backend nccl`` (refused with
-    ``--train.colocate_all``: NCCL cannot hold two processes of one GPU; unset, colocated engines
-    get gloo) and the wandb key.
+    means nothing on a CPU-only machine), ``--vllm.sync_backend nccl`` (it needs CUDA; on GPUs
+    with ``--train.colocate_all`` it means CUDA IPC, as in OpenRLHF; unset, colocated engines on
+    CPU get gloo) and the wandb key.
     Added: ``--vllm.backend hf`` (a faster start than vLLM's CPU build for a 2-step run).
     """
     values = {"--ref.num_gpus_per_node": "1", "--reward.num_gpus_per_node": "1", "--critic.num_gpus_per_node": "1",

@@ -18,9 +18,9 @@ Substituted, so that the same lines can start on one CPU (each marked ``# was ..
   ``--vllm.num_engines`` / ``--vllm.tensor_parallel_size`` to match (``--train.colocate_all``
   needs engines x TP = the actor's GPUs);
 - ``--ds.attn_implementation flash_attention_2``: ``sdpa`` (flash-attn needs CUDA);
-- ``--vllm.sync_backend nccl``: dropped (NCCL needs CUDA; unset, colocated engines get gloo).
-  On a GPU treadle refuses it with ``--train.colocate_all`` (``NCCL_WITH_COLOCATE_ALL``), where
-  OpenRLHF reads it as CUDA IPC: the README's OpenRLHF section says why;
+- ``--vllm.sync_backend nccl``: dropped (NCCL needs CUDA; unset, colocated engines get gloo on
+  CPU). On a GPU with ``--train.colocate_all`` it means CUDA IPC from every rank's GPU, as in
+  OpenRLHF (``NCCL_WITH_COLOCATE_ALL``);
 - ``--logger.wandb.key {wandb_token}``: dropped (a placeholder, no network here).
 
 Datasets and reward / agent files keep the scripts' names: parsing opens none of them (the runs
@@ -427,7 +427,7 @@ SCRIPTS: dict[str, list[Row]] = {
 
 NCCL_WITH_COLOCATE_ALL = ["--vllm.sync_backend", "nccl"]
 """What every hybrid-engine script passes with ``--train.colocate_all`` (OpenRLHF's default value:
-CUDA IPC there); dropped above, and refused by treadle on any machine."""
+CUDA IPC there, in treadle too); dropped above, as it needs CUDA."""
 
 DIFFERS: dict[str, tuple[str, list[str]]] = {}
 """Flags of the scripts that treadle refuses whatever the machine: the error, and the treadle spelling
@@ -485,14 +485,15 @@ def test_as_openrlhf_spells_them_the_first_flag_treadle_refuses_is_named(script:
 
 
 @pytest.mark.parametrize("script", [s for s in SCRIPTS if any(f[0] == "--train.colocate_all" for f, _, _ in SCRIPTS[s])])
-def test_the_hybrid_engine_scripts_nccl_sync_is_refused_with_colocate_all(script: str) -> None:
+def test_the_hybrid_engine_scripts_nccl_sync_means_cuda_ipc_with_colocate_all(script: str) -> None:
+    from treadle.trainer.trainers.ppo_build import ipc_every_rank, sync_route
+
     line = [*argv(SCRIPTS[script], "m", treadle_spelling=True), *NCCL_WITH_COLOCATE_ALL]
-    async_ = "--train.async_enable" in line  # async: engines get GPUs of their own, nccl is theirs
-    if async_:
-        assert parse_command("ppo", line).vllm.sync_backend == "nccl"
+    cfg = parse_command("ppo", line)
+    if "--train.async_enable" in line:  # async: engines get GPUs of their own, nccl is theirs
+        assert sync_route(cfg, cuda=True) == ("collective", "nccl")
         return
-    with pytest.raises(ConfigError, match=r"^--vllm\.sync_backend nccl with --train\.colocate_all: .*leave it unset"):
-        parse_command("ppo", line)
+    assert sync_route(cfg, cuda=True) == ("cuda_ipc", "nccl") and ipc_every_rank(cfg, "cuda_ipc")
 
 
 @pytest.mark.parametrize("flags", VLM_FLAGS, ids=lambda f: f[0])
