@@ -369,9 +369,10 @@ def sync_route(cfg: PPOConfig, *, cuda: bool) -> tuple[str, str]:
     placement: where the engines share the trainer's GPUs (``engines_colocated``:
     ``--train.colocate_all`` without ``--train.async_enable``) cuda_ipc on CUDA, every rank sharing a
     copy on its GPU (``ipc_every_rank``: OpenRLHF's per-GPU IPC handles), and so is ``nccl`` there
-    (OpenRLHF's meaning of its default); else nccl on CUDA, gloo on CPU. A backend given is used as given, or refused (ConfigError) where it cannot work: what
-    only the config decides is refused at parse time (``config.commands``), what needs CUDA here.
-    cuda_ipc: engines on the trainer's GPUs copy out of its packed buckets."""
+    (OpenRLHF's meaning of its default); else nccl on CUDA, gloo on CPU. A backend given is used
+    as given, or refused (ConfigError) where it cannot work: what only the config decides is
+    refused at parse time (``config.commands``), what needs CUDA here. cuda_ipc: engines on the
+    trainer's GPUs copy out of its packed buckets."""
     backend = cfg.vllm.sync_backend
     v = cfg.vllm
     if cuda and v.sync_adapters and v.backend == "vllm" and v.endpoint is None and cfg.ds.param_dtype == "fp32":

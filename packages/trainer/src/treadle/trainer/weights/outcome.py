@@ -125,7 +125,8 @@ class Rank:
         dist.all_gather(lengths, torch.tensor([len(data)], dtype=torch.int64), group=group)
         longest = max(1, *(int(n) for n in lengths))
         mine = torch.zeros(longest, dtype=torch.uint8)
-        mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else mine[:0]
+        if data:
+            mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         out = [torch.empty(longest, dtype=torch.uint8) for _ in range(world)]
         dist.all_gather(out, mine, group=group)
         return [t[:int(n)].numpy().tobytes() for t, n in zip(out, lengths, strict=True)]
