@@ -95,7 +95,9 @@ def test_bundles_are_one_per_trainer_node_with_the_labels_asked_for():
      "each label is KEY=VALUE"),
     (["--backend", "ray", "--trainer.nodes", "2", "--trainer.ranks", "2", "--", "rollout", "--", "ppo", *PPO,
       "--reward.remote_url", "math", "--actor.num_gpus_per_node", "2", "--train.colocate_all",
-      "--vllm.num_engines", "4"], "colocate_all with --trainer.nodes 2"),
+      "--vllm.num_engines", "1", "--vllm.tensor_parallel_size", "4"], "would span two of the trainer's nodes"),
+    (["--backend", "ray", "--trainer.nodes", "2", "--", "rollout", "--cpus", "0", "--", "ppo", *PPO,
+      "--reward.remote_url", "math", "--train.colocate_all"], "--engine_placement ray: --cpus place"),
     (["--backend", "ray", "--rollout.num_gpus", "2", "--", "rollout", "--engine_placement", "ray", "--", "ppo", *PPO,
       "--reward.remote_url", "math"], "each engine reserves its own GPUs"),
     (["--backend", "ray", "--", "rollout", "--engine_placement", "ray", "--", "ppo", *PPO, "--reward.remote_url",
@@ -107,7 +109,7 @@ def test_what_cannot_be_placed_is_refused_at_parse_time(argv, message):
 
 
 def test_ray_placed_engines_leave_the_daemons_bundle_with_the_front_end_only():
-    from treadle.integration.ray_backend import rollout_gpu_flags
+    from treadle.integration.ray_backend import rollout_placement_flags
 
     plan = plan_of("--backend", "ray", "--rollout.node_labels", "role=daemons", "--", "rollout", "--engine_placement",
                    "ray", "--ray.num_gpus_per_rank", "1", "--ray.node_labels", "role=engines", "--", "ppo", *PPO,
@@ -115,8 +117,51 @@ def test_ray_placed_engines_leave_the_daemons_bundle_with_the_front_end_only():
     bundles, index, _ = bundles_of(plan)
     assert bundles[index["rollout"]] == {"CPU": 1.0} and plan.daemon("rollout").ray_engines
     assert selectors_of(plan)[index["rollout"]] == {"role": "daemons"}  # the engines' labels are the daemon's flag
-    assert rollout_gpu_flags(plan, {"rollout": {"gpu_ids": ["0"]}, "trainer": {"gpu_ids": ["1"]}}) == []
+    assert rollout_placement_flags(plan, {"rollout": {"gpu_ids": ["0"]}, "trainer": {"gpu_ids": ["1"]}}) == []
     assert flag_value(plan.daemon("rollout").args[1:], "--ray.node_labels") == "role=engines"
+
+
+@pytest.mark.parametrize("tp, gpus, want", [
+    (1, [["0", "1"], ["2", "3"]], ["0:0", "0:1", "1:2", "1:3"]),  # node 1's trainer part holds Ray's GPUs 2, 3
+    (2, [["0", "1"], ["0", "1"]], ["0:0,1", "1:0,1"]),
+    (1, [[], []], ["0", "0", "1", "1"]),  # CPU: the bundle only
+])
+def test_colocated_engines_over_two_trainer_nodes_sit_beside_each_nodes_ranks(tp, gpus, want):
+    """``--train.colocate_all`` with the trainer on two nodes of two ranks: the rollout daemon
+    shares trainer node 0's bundle, and its engines are Ray actors in each node's bundle on the
+    GPUs of the ranks there (as the trainer parts' ``prepare`` reported them)."""
+    from treadle.integration.plan import colocated_places
+    from treadle.integration.ray_backend import rollout_placement_flags
+
+    plan = plan_of("--backend", "ray", "--trainer.nodes", "2", "--trainer.ranks", "2", "--", "rollout", "--", "ppo",
+                   *PPO, "--reward.remote_url", "math", "--train.colocate_all", "--vllm.num_engines", str(4 // tp),
+                   "--vllm.tensor_parallel_size", str(tp))
+    bundles, index, _ = bundles_of(plan)
+    assert index == {"trainer": 0, "trainer.1": 1, "rollout": 0} and bundles == [{"CPU": 3.0}, {"CPU": 2.0}]
+    where = {"trainer": {"gpu_ids": gpus[0]}, "trainer.1": {"gpu_ids": gpus[1]}, "rollout": {"gpu_ids": []}}
+    assert rollout_placement_flags(plan, where) == ["--engine_placement", "ray", "--ray.colocate", *want]
+    assert [(b, list(r)) for b, r in colocated_places(3, 2, 3, 2)] == [(0, [0, 1]), (1, [0, 1]), (2, [0, 1])]
+    with pytest.raises(ConfigError, match="one engine worker beside each rank"):
+        colocated_places(3, 1, 2, 2)
+
+
+def test_a_trainer_part_failing_beside_colocated_engines_on_several_nodes_restarts_the_whole_run(tmp_path):
+    """A trainer part that fails after a checkpoint is restarted alone, its daemons kept; not when
+    the engines sit in the trainer's bundles over several nodes (their GPU ids are the parts')."""
+    from treadle.integration.restart import TrainerRestarts
+    from treadle.integration.supervise import Outcome
+
+    died = Outcome(exit_code=1, failed="trainer.1", reason="died")
+    answers = {}
+    for colocate in (False, True):
+        plan = plan_of("--backend", "ray", "--max_restarts", "2", "--trainer.nodes", "2", "--", "rollout", "--", "ppo",
+                       *PPO, "--reward.remote_url", "math", "--ckpt.save_steps", "1", "--ckpt.path",
+                       str(tmp_path / str(colocate)), *(["--train.colocate_all"] if colocate else []))
+        restarts = TrainerRestarts(plan, None)
+        (tmp_path / str(colocate) / "step_1").mkdir(parents=True)
+        (tmp_path / str(colocate) / "step_1" / "state.json").write_text("{}")
+        answers[colocate] = restarts.next_plan(died, 1, True) is not None
+    assert answers == {False: True, True: False}
 
 
 def test_a_daemon_bound_off_loopback_gets_the_runs_keys_and_token():
@@ -259,6 +304,45 @@ def test_grpo_with_the_trainer_on_two_nodes_and_the_daemons_on_a_third(three_nod
     engines = {tuple(sorted(r["updated"])) for r in started}
     assert len(engines) == 1 and len(next(iter(engines))) == 2, engines  # every sync: both engines, none failed
     assert all(r["failed"] == [] for r in started)
+
+
+@pytest.mark.slow
+def test_colocated_engines_run_beside_the_trainers_ranks_on_each_of_its_nodes(three_nodes, tiny, task, helpers,
+                                                                              tmp_path):
+    """``--train.colocate_all`` with the trainer on the two role=trainer nodes (one rank each): the
+    rollout daemon shares trainer node 0's bundle and starts its two engines as Ray actors in the
+    bundles of both trainer nodes (``--ray.colocate 0 1``), one beside each rank; GRPO runs its two
+    steps and every sync (gloo, from rank 0 across the nodes) reaches both engines."""
+    import re
+
+    cluster, node_ids, ray_tmp = three_nodes
+    run = tmp_path / "run"
+    args = ["--backend", "ray", "--ray.address", cluster.address, "--run_dir", str(run),
+            "--trainer.nodes", "2", "--trainer.node_labels", "role=trainer", "--trainer.num_cpus_per_rank", "0.5",
+            "--rollout.num_cpus", "0.5", "--rewards.node_labels", "role=engines",
+            "--", "rollout", "--", "rewards", "--functions", str(task.reward), "--workers.num_workers", "1",
+            "--", "ppo", *_ppo_zero3(helpers, tiny, task, tmp_path), "--train.colocate_all"]
+    proc = helpers.launch(args, env=helpers.child_env(TREADLE_LOG_JSON="1", RAY_TMPDIR=str(ray_tmp)))
+    text = helpers.finish(proc, 600)
+    assert proc.returncode == 0, text[-6000:]
+
+    record = helpers.run_json(run)
+    comps = record["components"]
+    trainer_nodes = [comps["trainer"]["node_id"], comps["trainer.1"]["node_id"]]
+    assert set(trainer_nodes) == {node_ids["head"], node_ids["trainer"]}
+    assert comps["rollout"]["node_id"] == trainer_nodes[0] and comps["rewards"]["node_id"] == node_ids["engines"]
+    cmd = comps["rollout"]["cmd"]
+    assert cmd[cmd.index("--ray.colocate"):cmd.index("--ray.colocate") + 3] == ["--ray.colocate", "0", "1"]
+    engines = dict(re.findall(r"engine (e\d+): worker \d+ on Ray node (\w+)", (run / "rollout.log").read_text()))
+    print(f"trainer parts on {[n[:8] for n in trainer_nodes]}, engines on {[engines[e][:8] for e in ('e0', 'e1')]}, "
+          f"rollout daemon: {' '.join(cmd[cmd.index('--engine_placement'):cmd.index('--ray.colocate') + 3])}")
+    assert [engines["e0"], engines["e1"]] == trainer_nodes, (engines, trainer_nodes)
+
+    rows = [json.loads(line) for line in (tmp_path / "ckpt" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    sent = _log_records(run / "trainer.log", "weights sent")
+    assert [r["version"] for r in sent] == list(range(1, len(rows) + 2))
+    assert all(sorted(r["updated"]) == ["e0", "e1"] and r["failed"] == [] for r in sent), sent
 
 
 @pytest.mark.slow
@@ -571,3 +655,6 @@ def test_train_ppo_ray_spreads_its_engines_as_ray_actors_unless_they_share_the_t
     colocated = [*args, "--train.colocate_all"]
     shared = make_plan(launch_config(colocated, parse_ppo(colocated), gpus=True)).daemon("rollout")
     assert not shared.ray_engines and shared.num_gpus == 2  # the trainer's GPUs, through --gpu_ids
+    two_nodes = [*colocated, "--actor.num_nodes", "2", "--vllm.num_engines", "4"]  # OpenRLHF's hybrid engine on 2 nodes
+    plan = make_plan(launch_config(two_nodes, parse_ppo(two_nodes), gpus=True))
+    assert plan.daemon("rollout").num_gpus == 4 and bundles_of(plan)[0] == [{"CPU": 3.0, "GPU": 2.0}, {"CPU": 2.0, "GPU": 2.0}]

@@ -103,6 +103,10 @@ class DaemonPlan:
     ray_engines: bool = False
     """rollout with ``--engine_placement ray``: its engines are Ray actors with bundles of their own,
     so the daemon's bundle holds the front end only (CPU) and it gets no ``--gpu_ids``."""
+    engines: int = 1
+    """rollout: its engines (``--engines``)."""
+    ranks_per_engine: int = 1
+    """rollout: workers (GPUs) per engine (tensor x pipeline parallel)."""
 
     @property
     def module(self) -> str:
@@ -228,7 +232,25 @@ def rollout_plan(cfg: LaunchConfig, ppo: Any) -> DaemonPlan:
                           f"{checked.ranks_per_engine} GPUs (--engines x --tensor_parallel_size x --pipeline_parallel_size)")
     return DaemonPlan(name="rollout", args=("serve", *args), port_flags=() if endpoint else ("--endpoint",),
                       given=Addresses(rollout=endpoint), num_gpus=gpus, num_cpus=cfg.rollout.num_cpus,
-                      ray_engines=ray_engines)
+                      ray_engines=ray_engines, engines=checked.engines, ranks_per_engine=checked.ranks_per_engine)
+
+
+def colocated_places(engines: int, ranks_per_engine: int, nodes: int, ranks_per_node: int) -> list[tuple[int, range]]:
+    """Where ``--train.colocate_all`` over ``nodes`` trainer nodes puts each engine: (the trainer
+    bundle, i.e. node, it shares; the local ranks there whose GPUs its workers take), filling node
+    0's ranks first, as OpenRLHF's engines take the bundles of its shared placement group in order.
+    ConfigError when the engines' workers are not exactly the trainer's ranks, or one would span two nodes."""
+    if engines * ranks_per_engine != nodes * ranks_per_node:
+        raise ConfigError(f"--train.colocate_all: {engines} engines x {ranks_per_engine} workers must be the trainer's "
+                          f"{nodes} nodes x {ranks_per_node} ranks, one engine worker beside each rank")
+    if ranks_per_node % ranks_per_engine:
+        raise ConfigError(f"--train.colocate_all: an engine of {ranks_per_engine} workers (--vllm.tensor_parallel_size) "
+                          f"would span two of the trainer's nodes of {ranks_per_node} ranks; give a size that divides it")
+    out = []
+    for k in range(engines):
+        first = k * ranks_per_engine
+        out.append((first // ranks_per_node, range(first % ranks_per_node, first % ranks_per_node + ranks_per_engine)))
+    return out
 
 
 def rewards_plan(cfg: LaunchConfig) -> DaemonPlan:
@@ -409,20 +431,29 @@ def make_plan(cfg: LaunchConfig) -> Plan:
                 "agents": lambda: agents_plan(cfg, ppo)}
     daemons = tuple(builders[name]() for name in cfg.daemons)
     colocate = bool(ppo is not None and ppo.train.colocate_all)
-    if colocate and cfg.trainer.nodes > 1 and cfg.rollout.args is not None:
-        raise ConfigError(f"--train.colocate_all with --trainer.nodes {cfg.trainer.nodes}: the launched rollout daemon "
-                          "runs on one node, so its engines cannot share the GPUs of every trainer node (a daemon "
-                          "per node is not done yet); drop --train.colocate_all or run the trainer on one node")
     roll = next((d for d in daemons if d.name == "rollout"), None)
     if colocate and roll is not None and roll.ray_engines:
         raise ConfigError("--train.colocate_all puts the engines on the trainer's GPUs, `-- rollout --engine_placement "
                           "ray` wherever Ray finds room: drop one of them")
+    if colocate and roll is not None and cfg.trainer.nodes > 1:
+        _check_colocated_engines(cfg, roll)
     ckpt = getattr(tcfg, "ckpt", None)
     if cfg.max_restarts and ckpt is not None and ckpt.save_steps == -1:
         raise ConfigError(f"--max_restarts {cfg.max_restarts} resumes from the trainer's checkpoints, but `-- "
                           f"{cfg.trainer.command}` saves one only at the end (--ckpt.save_steps -1): give "
                           "--ckpt.save_steps N")
     return Plan(cfg=cfg, daemons=daemons, trainer_cfg=tcfg, colocate=colocate)
+
+
+def _check_colocated_engines(cfg: LaunchConfig, roll: DaemonPlan) -> None:
+    """``--train.colocate_all`` over several trainer nodes: the rollout daemon (in the first
+    trainer bundle) runs its engines as Ray actors in every trainer node's bundle
+    (``ray_backend.rollout_placement_flags``); checked here, before anything is placed."""
+    colocated_places(roll.engines, roll.ranks_per_engine, cfg.trainer.nodes, cfg.trainer.ranks)
+    from treadle.rollout.config import ServeConfig  # noqa: PLC0415
+
+    _check(ServeConfig, [*roll.args[1:], "--endpoint", _PLACEHOLDER, "--engine_placement", "ray",
+                         "--ray.colocate", *["0"] * roll.engines], "rollout")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -448,10 +479,11 @@ def bundles_of(plan: Plan) -> tuple[list[dict[str, float]], dict[str, int], dict
         bundles.append(dict(need[name]))
     for d in plan.daemons:
         if d.name == "rollout" and plan.colocate and "trainer" in index:
-            trainer_gpus = need["trainer"]["GPU"]
+            trainer_gpus = t.nodes * t.ranks * t.num_gpus_per_rank
             if d.num_gpus and d.num_gpus != trainer_gpus:
                 raise ConfigError(f"--train.colocate_all: --rollout.num_gpus {d.num_gpus} must equal the trainer's "
-                                  f"GPUs ({trainer_gpus:g} = --trainer.ranks x --trainer.num_gpus_per_rank)")
+                                  f"GPUs ({trainer_gpus:g} = --trainer.nodes x --trainer.ranks x "
+                                  "--trainer.num_gpus_per_rank)")
             need["rollout"] = {"CPU": d.num_cpus, "GPU": 0.0}
             index["rollout"] = index["trainer"]
             bundles[index["trainer"]]["CPU"] += d.num_cpus

@@ -23,7 +23,8 @@ one node is never split.
 
 Placement: the bundles of the trainer's nodes, one per daemon (with ppo's
 ``--train.colocate_all`` the rollout daemon shares the first trainer bundle and gets its GPU ids,
-``--gpu_ids``), in one placement group with strategy PACK: a run that fits on one node stays on
+``--gpu_ids``; over several trainer nodes its engines are Ray actors in every trainer node's
+bundle instead, on the GPUs of the ranks there, ``--ray.colocate``), in one placement group with strategy PACK: a run that fits on one node stays on
 it, a larger one spreads over as few nodes as Ray can. Where things go is the user's to say with
 Ray node labels: ``ray start --labels role=trainer`` on some nodes, ``--trainer.node_labels
 role=trainer`` (``--rollout.node_labels``, ``--rewards.node_labels``, ``--agents.node_labels``)
@@ -82,6 +83,7 @@ from treadle.integration.plan import (
     Rendezvous,
     bind,
     bundles_of,
+    colocated_places,
     flag_value,
     merge_addresses,
     off_loopback_host,
@@ -382,11 +384,21 @@ def make_keys(run_dir: Path) -> Keys:
     return Keys(curve_dir=str(root), token_file=str(token))
 
 
-def rollout_gpu_flags(plan: Plan, where: dict[str, dict[str, Any]]) -> list[str]:
-    """``--gpu_ids`` for the rollout daemon: its own GPUs, or the trainer's when colocated."""
+def rollout_placement_flags(plan: Plan, where: dict[str, dict[str, Any]]) -> list[str]:
+    """Where the rollout daemon's engines run: ``--gpu_ids``, its own GPUs or (colocated) the
+    trainer's; colocated with a trainer over several nodes, Ray actors in each trainer node's
+    bundle on the GPUs of the ranks they sit beside (``--engine_placement ray --ray.colocate``,
+    ``plan.colocated_places``)."""
     d = plan.daemon("rollout")
     if d is None or d.ray_engines or flag_value(d.args[1:], "--gpu_ids") is not None:  # args[0] is "serve"
         return []
+    nodes = trainer_groups(plan.cfg)
+    if plan.colocate and len(nodes) > 1:
+        places = []
+        for bundle, ranks in colocated_places(d.engines, d.ranks_per_engine, len(nodes), plan.cfg.trainer.ranks):
+            gpus = where[nodes[bundle]]["gpu_ids"]  # bundle i holds trainer node i (``bundles_of``)
+            places.append(f"{bundle}:{','.join(gpus[r] for r in ranks)}" if gpus else str(bundle))
+        return ["--engine_placement", "ray", "--ray.colocate", *places]
     gpus = where["trainer"]["gpu_ids"] if plan.colocate and "trainer" in where else where["rollout"]["gpu_ids"]
     return ["--gpu_ids", *gpus] if gpus else []
 
@@ -398,7 +410,7 @@ def start_daemons(plan: Plan, sup: Supervisor, actors: dict[str, Any], where: di
     for d in plan.daemons:
         argv, mine = bind(d, where[d.name]["node_ip"], where[d.name]["ports"], addresses, keys)
         if d.name == "rollout":
-            argv += rollout_gpu_flags(plan, where)
+            argv += rollout_placement_flags(plan, where)
         addresses = merge_addresses(addresses, mine)
         log_path = run_dir / f"{d.name}.log"
         ref = actors[d.name].run_main.remote(d.module, argv, str(log_path))

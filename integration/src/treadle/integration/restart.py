@@ -15,7 +15,9 @@ or a whole Ray node with what ran on it), ``restart_decision`` says whether to r
 
 Inside an attempt, a failed trainer whose daemons still run is started again alone
 (``TrainerRestarts``, used by both backends); each such restart counts against ``--max_restarts``
-too, and ``run.json`` lists them in ``trainer_restarts``.
+too, and ``run.json`` lists them in ``trainer_restarts``. Not with ``--train.colocate_all`` over
+several trainer nodes: the engines there sit on the GPU ids of the trainer's parts, which a part
+placed again may not get back, so the whole run restarts.
 
 The next attempt runs the whole plan again (new placement on Ray, new daemon addresses, new
 ports), the trainer with ``--ckpt.load_enable`` added when the user did not give it
@@ -145,6 +147,11 @@ class TrainerRestarts:
         """The plan to start the trainer again with, or None when the attempt ends with ``outcome``."""
         failed = outcome.failed or ""
         if failed.split(".")[0] != "trainer" or not daemons_alive or self.left <= 0:
+            return None
+        if self.plan.colocate and self.plan.cfg.trainer.nodes > 1:
+            # The engines sit in the trainer's bundles on the GPU ids its parts had: a part placed
+            # again (its node lost) may get others, so the whole plan is placed again instead.
+            log.warning("%s failed with engines colocated on the trainer's nodes: restarting the whole run", failed)
             return None
         after = checkpoint_step(self.root)
         decision = restart_decision(outcome, attempt=1, max_restarts=1, trainer_exit=trainer_exit,

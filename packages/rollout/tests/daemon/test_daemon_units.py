@@ -159,6 +159,12 @@ def test_engine_fields_fit_each_backends_config():
     (["--model", "m", "--ray.num_gpus_per_rank", "1"], "give --engine_placement ray"),
     (["--model", "m", "--engine_placement", "ray", "--ray.node_labels", "role"], "each label is KEY=VALUE"),
     (["--model", "m", "--engine_placement", "ray", "--ray.num_cpus_per_rank", "0"], "--ray.num_cpus_per_rank must be > 0"),
+    (["--model", "m", "--engine_placement", "ray", "--ray.colocate", "a:0"], "--ray.colocate 'a:0': each item is"),
+    (["--model", "m", "--engine_placement", "ray", "--engines", "2", "--ray.colocate", "0"],
+     "--ray.colocate gives 1 places for --engines 2"),
+    (["--model", "m", "--engine_placement", "ray", "--ray.colocate", "0:0,1"], "an engine needs 1 GPU"),
+    (["--model", "m", "--engine_placement", "ray", "--ray.colocate", "0:0", "--ray.num_gpus_per_rank", "1"],
+     "cannot go with it"),
 ])
 def test_serve_config_refuses_bad_values_naming_the_flag(flags, needle):
     with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):
@@ -170,6 +176,20 @@ def test_a_ray_engine_bundle_is_its_ranks_resources():
                               "--ray.num_gpus_per_rank", "1", "--ray.num_cpus_per_rank", "2"])
     assert cfg.ray.bundle(cfg.ranks_per_engine) == {"CPU": 4.0, "GPU": 2.0}
     assert parse(ServeConfig, ["--model", "m", "--engine_placement", "ray"]).ray.bundle(1) == {"CPU": 1.0}
+
+
+def test_colocated_ray_engines_name_a_bundle_and_gpus_each():
+    cfg = parse(ServeConfig, ["--model", "m", "--engine_placement", "ray", "--engines", "3", "--tensor_parallel_size",
+                              "2", "--ray.colocate", "0:0,1", "0:2,3", "1:0,1"])
+    assert [(s.bundle, s.gpus) for s in cfg.ray.slots()] == [(0, ("0", "1")), (0, ("2", "3")), (1, ("0", "1"))]
+    cpu = parse(ServeConfig, ["--model", "m", "--engine_placement", "ray", "--engines", "2", "--ray.colocate", "0", "1"])
+    assert [(s.bundle, s.gpus) for s in cpu.ray.slots()] == [(0, ()), (1, ())]
+    pytest.importorskip("ray")
+    from treadle.rollout.ray_engines import own_group
+
+    assert own_group(cpu.ray.__class__()) is None  # engines in placement groups of their own
+    with pytest.raises(ConfigError, match="it runs in none"):  # a daemon started by hand, not in a Ray actor
+        own_group(cpu.ray)
 
 
 def test_open_metrics_need_the_explicit_flag():
@@ -194,7 +214,7 @@ SERVE_FLAGS = [
     "--engine.no_multiprocess", "--engine.seed", "--engine_placement", "--engines", "--exit_with_pid", "--gpu_ids", "--health_interval_s",
     "--health_timeout_s", "--help", "--keep_weights", "--max_in_flight_samples", "--max_restarts",
     "--max_retries", "--metrics_host", "--metrics_open", "--metrics_port", "--model", "--no_cpu_bind", "--no_keep_weights", "--no_metrics_open",
-    "--pipeline_parallel_size", "--ray.address", "--ray.node_labels", "--ray.num_cpus_per_rank",
+    "--pipeline_parallel_size", "--ray.address", "--ray.colocate", "--ray.node_labels", "--ray.num_cpus_per_rank",
     "--ray.num_gpus_per_rank", "--route_timeout_s", "--run_dir", "--start_timeout_s", "--tensor_parallel_size", "-h",
 ]
 

@@ -81,6 +81,15 @@ class EngineOptions:
 VLLM_LORA_RANKS = (0, 1, 8, 16, 32, 64, 128, 256, 320, 512)  # 0: off; the others vLLM's MaxLoRARanks
 
 
+@dataclass(frozen=True, slots=True)
+class ColocatedSlot:
+    """Where ``--ray.colocate`` puts one engine: a bundle of the daemon's own placement group, and
+    the GPU ids its workers see there (empty: CPU)."""
+
+    bundle: int
+    gpus: tuple[str, ...] = ()
+
+
 @configclass
 class RayEngineOptions:
     """--engine_placement ray: each engine a Ray actor in a placement group of its own."""
@@ -94,6 +103,11 @@ class RayEngineOptions:
     """GPUs each engine rank reserves (0: CPU engines; 1 for vLLM on GPUs)."""
     node_labels: tuple[str, ...] = ()
     """KEY=VALUE labels a node must have to host an engine (`ray start --labels`); empty: any node."""
+    colocate: tuple[str, ...] = ()
+    """One BUNDLE or BUNDLE:GPU[,GPU...] per engine: engine k runs in that bundle of the Ray
+    placement group this daemon itself runs in (treadle-launch's, whose bundles hold the trainer's
+    nodes) on those GPUs (CUDA_VISIBLE_DEVICES), beside the trainer's ranks and reserving nothing
+    of its own, as a colocated local engine does; empty: each engine a placement group of its own."""
 
     def __post_init__(self) -> None:
         if not self.num_cpus_per_rank > 0:
@@ -101,6 +115,22 @@ class RayEngineOptions:
         if self.num_gpus_per_rank < 0:
             raise ConfigError(f"--ray.num_gpus_per_rank must be >= 0, got {self.num_gpus_per_rank}")
         label_selector(self.node_labels)
+        self.slots()
+        if self.colocate and (self.num_gpus_per_rank or self.node_labels):
+            raise ConfigError("--ray.colocate runs the engines in bundles that already exist: --ray.num_gpus_per_rank "
+                              "and --ray.node_labels (which ask for bundles of their own) cannot go with it")
+
+    def slots(self) -> tuple[ColocatedSlot, ...]:
+        """``--ray.colocate`` parsed, one per engine slot (ConfigError naming a malformed item)."""
+        out = []
+        for item in self.colocate:
+            bundle, _, gpus = item.partition(":")
+            ids = tuple(g.strip() for g in gpus.split(",")) if gpus else ()
+            if not bundle.isdigit() or not all(g.isdigit() for g in ids):
+                raise ConfigError(f"--ray.colocate {item!r}: each item is BUNDLE or BUNDLE:GPU[,GPU...] "
+                                  "(non-negative integers), e.g. 0:0 0:1 1:0 1:1")
+            out.append(ColocatedSlot(bundle=int(bundle), gpus=ids))
+        return tuple(out)
 
     def placement(self) -> Placement:
         """Where a Ray-placed engine runs, as far as its config needs: Ray picks the node and the
@@ -205,6 +235,13 @@ class ServeConfig:
                                   "Ray places them (--ray.num_cpus_per_rank, --ray.num_gpus_per_rank, --ray.node_labels)")
             if importlib.util.find_spec("ray") is None:
                 raise ConfigError("--engine_placement ray needs Ray: pip install 'treadle-rollout[ray]'")
+            slots = self.ray.slots()
+            if slots and len(slots) != self.engines:
+                raise ConfigError(f"--ray.colocate gives {len(slots)} places for --engines {self.engines}: one each")
+            wrong = [f"{s.bundle}:{','.join(s.gpus)}" for s in slots if s.gpus and len(s.gpus) != self.ranks_per_engine]
+            if wrong:
+                raise ConfigError(f"--ray.colocate {' '.join(wrong)}: an engine needs {self.ranks_per_engine} GPU(s) "
+                                  "(--tensor_parallel_size x --pipeline_parallel_size), one per worker")
         elif self.ray != RayEngineOptions():
             raise ConfigError("--ray.* flags place engines on a Ray cluster: give --engine_placement ray")
 

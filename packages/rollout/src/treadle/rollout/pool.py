@@ -96,7 +96,7 @@ class EnginePool:
         if self._ray is not None:  # Ray picks the node and the GPUs; threads per rank from --ray.*
             where = self.cfg.ray.placement()
             spec = WorkerSpec(backend=self.cfg.backend, engine=engine_fields(self.cfg, engine_id, where), endpoint="")
-            return EngineHandle(slot=slot, engine_id=engine_id, starter=self._ray.starter(spec))
+            return EngineHandle(slot=slot, engine_id=engine_id, starter=self._ray.starter(spec, slot))
         where = placement(slot, engines, self.cfg.ranks_per_engine, self._cpus, self.cfg.gpu_ids,
                           bind=self.cfg.cpu_bind)
         # hf computes in the worker process: pin the process. vLLM computes in its own workers,
@@ -301,6 +301,9 @@ class EnginePool:
         version) and removed ones drained when this returns."""
         if engines < 1:
             raise ValueError(f"a pool needs >= 1 engine, got {engines}")
+        if self.cfg.ray.colocate and engines > len(self.cfg.ray.colocate):
+            raise ValueError(f"--ray.colocate places {len(self.cfg.ray.colocate)} engines beside the trainer's ranks: "
+                             f"a colocated pool does not scale to {engines}")
         async with self._scale_lock:
             up = [h for h in self.handles.values() if h.state not in ("stopped", "draining")]
             added, removed = [], []

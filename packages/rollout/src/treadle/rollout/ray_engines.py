@@ -11,6 +11,13 @@ The channel from the front end to each worker crosses hosts, so it is CURVE-encr
 makes a key set per daemon run (``generate_keys``, in the pool's run folder) and hands each actor
 the server side, which it writes owner-only on its node; the client key stays with the pool.
 
+Colocated (``--ray.colocate``, what ``treadle-launch`` gives with ``--train.colocate_all`` over
+several nodes): engine k runs in bundle B of the placement group the daemon itself runs in (the
+launcher's, whose bundles hold the trainer's nodes), on the GPU ids given for it, the trainer's
+ranks' there. Its actor reserves nothing (the trainer's part holds the bundle's CPUs and GPUs,
+as the local engines of a colocated daemon share them); the placement group is never removed
+here. A restart of the slot goes back into the same bundle.
+
 Death: the front end awaits the actor's ``wait`` call, which returns the worker's exit status, or
 raises when the actor dies with its node (Ray's health checks notice a lost node in seconds to
 tens of seconds: ``health_check_period_ms`` x ``health_check_failure_threshold`` on the head).
@@ -45,10 +52,10 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from treadle.common import env
-from treadle.common.config import label_selector
+from treadle.common.config import ConfigError, label_selector
 from treadle.common.log import get_logger
 from treadle.common.rpc import ClientCurve, generate_keys, load_client_keys
-from treadle.rollout.config import RayEngineOptions
+from treadle.rollout.config import ColocatedSlot, RayEngineOptions
 from treadle.rollout.worker import WorkerSpec
 
 log = get_logger(__name__)
@@ -156,17 +163,21 @@ class RayProcess:
 
 
 class RayStarter:
-    """Starts one engine slot's worker in a placement group of its own (``handle.Starter``)."""
+    """Starts one engine slot's worker in a placement group of its own, or (``--ray.colocate``)
+    in its bundle of the daemon's own placement group (``handle.Starter``)."""
 
-    def __init__(self, spec: WorkerSpec, engines: RayEngines) -> None:
+    def __init__(self, spec: WorkerSpec, engines: RayEngines, slot: ColocatedSlot | None = None) -> None:
         self.spec = spec
         self._engines = engines
+        self._slot = slot
         self._pg: Any = None
         self._proc: RayProcess | None = None
         self._started = False
 
     async def start(self, engine_id: str) -> tuple[RayProcess, str, ClientCurve | None]:
         await self.close()  # the previous incarnation's actor and placement group
+        if self._slot is not None:
+            return await self._start_colocated(engine_id, self._slot)
         e = self._engines
         selector = label_selector(e.opts.node_labels)
         self._pg = placement_group([e.bundle], strategy="STRICT_PACK",
@@ -185,13 +196,24 @@ class RayStarter:
                                    + f" within {timeout:g} s (--start_timeout_s); free now: "
                                    f"{ray.available_resources()}") from None
         self._started = True
+        return await self._run(engine_id, self._pg, 0, e.bundle, e.worker_env)
+
+    async def _start_colocated(self, engine_id: str, slot: ColocatedSlot) -> tuple[RayProcess, str, ClientCurve | None]:
+        e = self._engines
+        environ = {**e.worker_env, **({"CUDA_VISIBLE_DEVICES": ",".join(slot.gpus)} if slot.gpus else {})}
+        return await self._run(engine_id, e.own_group, slot.bundle, {}, environ)
+
+    async def _run(self, engine_id: str, pg: Any, bundle_index: int, resources: dict[str, float],
+                   environ: dict[str, str]) -> tuple[RayProcess, str, ClientCurve | None]:
+        """An ``EngineActor`` in bundle ``bundle_index`` of ``pg`` reserving ``resources``, and its worker."""
+        e = self._engines
         actor = RemoteEngineActor.options(
-            num_cpus=e.bundle.get("CPU", 0), num_gpus=e.bundle.get("GPU", 0),
+            num_cpus=resources.get("CPU", 0), num_gpus=resources.get("GPU", 0),
             runtime_env={"env_vars": env.forwarded_env()},
-            scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=0)).remote()
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle_index)).remote()
         where = await _ref(actor.prepare.remote())
         spec = dataclasses.replace(self.spec, endpoint=f"tcp://{where['node_ip']}:{where['port']}")
-        pid = await _ref(actor.start.remote(spec.to_json(), e.worker_env, e.server_keys))
+        pid = await _ref(actor.start.remote(spec.to_json(), environ, e.server_keys))
         self._proc = RayProcess(actor, pid, where["node_id"], actor.wait.remote())
         log.info("engine %s: worker %d on Ray node %s (%s), serving %s", engine_id, pid, where["node_id"],
                  where["node_ip"], spec.endpoint)
@@ -201,7 +223,7 @@ class RayStarter:
         if self._proc is not None:
             self._proc.kill_actor()
             self._proc = None
-        if self._pg is not None:
+        if self._pg is not None:  # only a placement group of the slot's own (never the daemon's)
             with contextlib.suppress(Exception):
                 remove_placement_group(self._pg)
             self._pg = None
@@ -211,8 +233,11 @@ class RayEngines:
     """The pool's side of ``--engine_placement ray``: the Ray connection and the run's CURVE keys."""
 
     def __init__(self, opts: RayEngineOptions, ranks: int, start_timeout_s: float, key_dir: Path,
-                 owns_ray: bool) -> None:
+                 owns_ray: bool, own_group: Any = None) -> None:
         self.opts = opts
+        self.slots = opts.slots()
+        self.own_group = own_group
+        """The placement group this daemon runs in (``--ray.colocate``'s bundles are its)."""
         self.bundle = opts.bundle(ranks)
         self.start_timeout_s = start_timeout_s
         self.worker_env = {"OMP_NUM_THREADS": str(opts.placement().threads_per_rank)}
@@ -228,15 +253,37 @@ class RayEngines:
         key_dir = Path(run_dir) / "engine-keys"
         key_dir.mkdir(mode=0o700, exist_ok=True)
         generate_keys(key_dir, clients=(CLIENT,), overwrite=True)
-        return cls(opts, ranks, start_timeout_s, key_dir, owns)
+        return cls(opts, ranks, start_timeout_s, key_dir, owns, own_group=own_group(opts))
 
-    def starter(self, spec: WorkerSpec) -> RayStarter:
-        return RayStarter(spec, self)
+    def starter(self, spec: WorkerSpec, slot: int) -> RayStarter:
+        if self.slots and slot >= len(self.slots):
+            raise ValueError(f"--ray.colocate places {len(self.slots)} engines, one per place given: no place for "
+                             f"engine slot {slot} (a colocated pool does not scale past them)")
+        return RayStarter(spec, self, self.slots[slot] if self.slots else None)
 
     def close(self) -> None:
         shutil.rmtree(self._key_dir, ignore_errors=True)
         if self._owns_ray:
             ray.shutdown()
+
+
+def own_group(opts: RayEngineOptions) -> Any:
+    """With ``--ray.colocate``: the placement group this process runs in, checked to have every
+    bundle named (ConfigError before any engine starts); else None."""
+    slots = opts.slots()
+    if not slots:
+        return None
+    from ray.util import get_current_placement_group  # noqa: PLC0415
+
+    pg = get_current_placement_group() if ray.is_initialized() else None  # (asked unconnected, Ray would start one)
+    if pg is None:
+        raise ConfigError("--ray.colocate names bundles of the placement group this daemon runs in, and it runs in "
+                          "none: it is for a daemon that treadle-launch (--backend ray) starts in a Ray actor")
+    beyond = sorted({s.bundle for s in slots if s.bundle >= pg.bundle_count})
+    if beyond:
+        raise ConfigError(f"--ray.colocate: bundle(s) {beyond} not in this daemon's placement group of "
+                          f"{pg.bundle_count} bundles")
+    return pg
 
 
 async def connect(address: str) -> bool:
