@@ -175,6 +175,25 @@ def test_prompt_logprobs_match_hf_model(subject, ref, tools):
     assert all(np.abs(r.prompt_logprobs - want).max() <= TOL for r in res)
 
 
+def test_prompt_logprobs_at_a_temperature_are_the_scaled_models_or_refused(subject, ref):
+    """A reference scored at the sampling temperature (``--ref.remote_url``): the hf backend divides
+    the logits by it; vLLM scores raw logits, so it refuses any temperature but 1, naming it."""
+    import torch
+
+    ids = torch.as_tensor(np.asarray(PROMPTS[2], dtype=np.int64))[None]
+    with torch.no_grad():
+        lp = torch.log_softmax(ref["a"](ids).logits[0, :-1].double() / 0.7, -1)
+    want = lp.gather(1, ids[0, 1:, None]).squeeze(1).numpy()
+    if subject.engine.scores_at_temperature:
+        got = subject.aio(subject.engine.prompt_logprobs(PROMPTS[2], 0.7))
+        assert np.abs(got - want).max() <= TOL
+    else:
+        with pytest.raises(BadRequest, match="asked for 0.7"):
+            subject.aio(subject.engine.prompt_logprobs(PROMPTS[2], 0.7))
+    with pytest.raises(BadRequest, match="temperature 0"):
+        subject.aio(subject.engine.prompt_logprobs(PROMPTS[2], 0.0))
+
+
 def test_abort_stops_request(subject):
     async def scenario():
         task = asyncio.create_task(collect(subject.engine, request(

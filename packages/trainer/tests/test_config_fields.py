@@ -40,8 +40,9 @@ ALLOWED: dict[str, str] = {
     "MuonConfig.ns_steps": "refused when changed (config/optim.py): DeepSpeed's Muon always runs 5 Newton-Schulz steps",
     "VLLMConfig.sync_with_ray": "refused (config/rollout.py): weights never go through Ray's object store",
     # honoured by construction (nothing to read: every run does what they ask):
-    "RLTrainConfig.colocate_actor_ref": "the reference always runs in the trainer's ranks beside the actor; "
-                                        "commands._check_placements refuses a placement of its own",
+    "RLTrainConfig.colocate_actor_ref": "the reference runs in the trainer's ranks beside the actor (or in a "
+                                        "daemon the user serves, --ref.remote_url); commands._check_placements "
+                                        "refuses a placement of its own",
     "RLTrainConfig.colocate_critic_reward": "the critic and the reward model always run in the trainer's ranks; "
                                             "commands._check_placements refuses placements of their own",
     "RMModelConfig.compute_fp32_loss_enable": "losses.rm computes the pairwise loss in fp32 always",
@@ -257,6 +258,13 @@ PPO = BASE["ppo"]
     (["--algo.kl.init_coef", "0.01", "--ref.num_gpus_per_node", "4"],
      r"--ref\.num_gpus_per_node 4: the reference runs in the trainer's ranks beside the actor"),
     (["--reward.num_nodes", "2"], r"--reward\.num_nodes 2: the reward model runs in the trainer's ranks"),
+    # a reference served by a daemon of its own: what the ranks would not read
+    (["--algo.kl.init_coef", "0", "--ref.remote_url", "tcp://127.0.0.1:5571"], r"--ref\.remote_url tcp://127\.0\.0\.1:5571: no reference is used"),
+    (["--algo.kl.init_coef", "0.01", "--ref.remote_url", "tcp://127.0.0.1:5571", "--ref.offload"],
+     r"--ref\.offload with --ref\.remote_url .* serves its own model"),
+    (["--algo.kl.init_coef", "0.01", "--ref.remote_url", "tcp://10.0.0.7:5571"], r"give the client keys with --ref\.curve_dir"),
+    (["--algo.kl.init_coef", "0.01", "--ref.remote_url", "http://h:1"], r"a rollout daemon's ZeroMQ address"),
+    (["--ref.curve_dir", "k"], r"--ref\.curve_dir are keys for --ref\.remote_url, which is not set"),
     (["--critic.num_gpus_per_node", "8"], r"--critic\.num_gpus_per_node 8: the critic runs in the trainer's ranks"),
     # over-sampling beyond what the staleness bound lets a round be trained within
     (["--train.async_enable", "--rollout.vllm_generate_batch_size", "17"],

@@ -226,3 +226,38 @@ def test_critic_gives_a_value_per_token_the_same_packed_or_padded(tiny):
         a, b = critic(**pad.model_inputs()), critic(**pack.model_inputs())
     assert a.shape == pad.input_ids.shape and b.shape == pack.input_ids.shape
     assert torch.allclose(a[pad.seq_index >= 0], b[0], atol=1e-5)
+
+
+def test_sequence_positions_find_each_sequence_padded_or_packed():
+    from treadle.trainer.models.reference import sequence_positions
+
+    samples = _samples()
+    want = [list(q.ids) for s in samples for q in s.seqs]
+    for batch in (pad_batch(samples, pad_id=0), pack_batch(samples)):
+        got = [batch.input_ids[r, c].tolist() for r, c in sequence_positions(batch.seq_index)]
+        assert got == want
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_a_reference_scored_by_a_daemon_equals_the_ranks_own(tiny, lm, helpers, layout):
+    """``--ref.remote_url``: a real ``treadle-rollout serve --backend hf`` of the same model scores
+    every sequence at temperature 0.7; the [R, T] log-probs equal ``Reference.logprobs`` of the
+    batch at the target tokens (fp32: to 1e-5) and are 0 elsewhere (``targets_only``)."""
+    from treadle_testing import rollout_daemon
+
+    from treadle.rollout.client import SyncRolloutClient
+    from treadle.trainer.models.reference import Reference, RemoteReference
+
+    samples = _samples()
+    batch = pad_batch(samples, pad_id=0) if layout == "padded" else pack_batch(samples)
+    want = Reference(lm, torch.device("cpu")).logprobs(batch, temperature=0.7, targets_only=True)
+    with rollout_daemon(tiny, helpers.child_env(), "--backend", "hf", "--engine.dtype", "float32",
+                        "--engine.max_model_len", "256") as url:
+        remote = RemoteReference(SyncRolloutClient(url))
+        try:
+            got = remote.logprobs(batch, temperature=0.7, targets_only=True)
+        finally:
+            remote.close()
+    m = batch.target_mask
+    assert got.shape == want.shape and torch.allclose(got[m], want[m], atol=1e-5), (got[m] - want[m]).abs().max()
+    assert not got[~m].any() and want[m].abs().min() > 0

@@ -107,6 +107,20 @@ def test_first_step_exact_and_run_artifacts(tiny, task, daemon, helpers, tmp_pat
     assert (tmp_path / "ckpt" / "config.yaml").is_file()
 
 
+def test_a_reference_served_apart_scores_the_sampled_tokens(tiny, task, daemon, helpers, tmp_path):
+    """``--ref.remote_url``: the KL's reference is a hf rollout daemon of the starting model, not
+    a model in the ranks. At the sampling temperature (0.9 here) and packed, its first-step KL is
+    the ranks' own to fp32 rounding (the policy is the reference); then the policy moves away."""
+    with serving(tiny, helpers, "--backend", "hf") as ref_url:
+        proc = run_ppo(ppo_args(tiny, task, tmp_path, daemon, "--algo.kl.init_coef", "0.01", "--data.max_samples", "12",
+                                "--rollout.temperature", "0.9", "--ds.packing_samples", "--ref.remote_url", ref_url),
+                       helpers, TREADLE_LOG_LEVEL="INFO")
+    rows = metrics(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert abs(rows[0]["kl"]) < 1e-6 < rows[-1]["kl"], [r["kl"] for r in rows]  # fp32 rounding; then it moved
+    assert "reference: scored by the daemon at --ref.remote_url" in proc.stdout + proc.stderr
+
+
 @pytest.mark.slow
 def test_grpo_first_step_exact_then_reward_rises(tiny, task, daemon, helpers, tmp_path):
     run_ppo(ppo_args(tiny, task, tmp_path, daemon, "--algo.kl.init_coef", "0.01", "--train.num_episodes", "3",

@@ -113,10 +113,17 @@ class RolloutClient:
         """Several requests at once (all in flight together); results in request order."""
         return list(await asyncio.gather(*(self.generate(r) for r in requests)))
 
-    async def prompt_logprobs(self, token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
-        """float32 [P-1]: ``log p(token_t | tokens_<t)`` for t = 1..P-1 on one engine."""
-        res = await self._call("prompt_logprobs", make_request(token_ids))
+    async def prompt_logprobs(self, token_ids: Sequence[int] | np.ndarray, temperature: float = 1.0) -> np.ndarray:
+        """float32 [P-1]: ``log p(token_t | tokens_<t)`` for t = 1..P-1 on one engine, at
+        ``temperature`` (logits divided by it; the hf backend only, vLLM's are temperature 1)."""
+        res = await self._call("prompt_logprobs", make_request(token_ids, SamplingParams(temperature=temperature)))
         return np.asarray(res.prompt_logprobs)
+
+    async def prompt_logprobs_many(self, sequences: Sequence[Sequence[int] | np.ndarray],
+                                   temperature: float = 1.0) -> list[np.ndarray]:
+        """``prompt_logprobs`` of several sequences at once (all in flight, spread over the
+        engines); results in order."""
+        return list(await asyncio.gather(*(self.prompt_logprobs(s, temperature) for s in sequences)))
 
     async def abort(self, key: str) -> int:
         """End every in-flight sample of requests with ``key`` (they arrive with finish "abort")."""

@@ -3,7 +3,7 @@
 Methods (records of ``treadle.common.records``; errors come back as typed ``Error`` replies):
 
     generate (stream)            GenerateRequest -> one GenerateResult per sample as it finishes
-    prompt_logprobs              GenerateRequest -> GenerateResult(prompt_logprobs=[P-1])
+    prompt_logprobs              GenerateRequest -> GenerateResult(prompt_logprobs=[P-1]) at sampling.temperature
     abort                        Control(args={"key"}) -> Control(args={"aborted"})
     update_weights[_abort]       InlineWeights | IpcWeights | CollectiveWeights -> stream:
                                  Control("accepted"), Control("updated", version, updated, failed, loads)

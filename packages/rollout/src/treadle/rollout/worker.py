@@ -102,7 +102,7 @@ class WorkerService:
         from treadle.common.records import GenerateResult
 
         req = _expect(msg, "GenerateRequest")
-        lp = await self.engine.prompt_logprobs(req.prompt_token_ids)
+        lp = await self.engine.prompt_logprobs(req.prompt_token_ids, req.sampling.temperature)
         return GenerateResult(response_token_ids=np.zeros(0, dtype=np.int32), prompt_logprobs=lp,
                               finish_reason="stop", key=req.key, weight_version=self.engine.weight_version,
                               engine_id=self.engine.engine_id)

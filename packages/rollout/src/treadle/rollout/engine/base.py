@@ -82,6 +82,8 @@ class Engine(ABC):
     """One rollout engine; subclasses implement the ``_``-prefixed hooks below."""
 
     backend: ClassVar[str] = ""
+    scores_at_temperature: ClassVar[bool] = False
+    """Whether ``prompt_logprobs`` takes a temperature other than 1 (vLLM scores raw logits)."""
 
     def __init__(self, *, engine_id: str, initial_version: int = 0) -> None:
         self.engine_id = engine_id
@@ -159,18 +161,24 @@ class Engine(ABC):
         """
         return await self._abort(key) if key else 0
 
-    async def prompt_logprobs(self, token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
-        """float32 [P-1]: ``log p(token_t | tokens_<t)`` for t = 1..P-1, temperature 1."""
+    async def prompt_logprobs(self, token_ids: Sequence[int] | np.ndarray, temperature: float = 1.0) -> np.ndarray:
+        """float32 [P-1]: ``log p(token_t | tokens_<t)`` for t = 1..P-1 at ``temperature`` (the
+        logits divided by it, as a trainer scores a reference at its sampling temperature)."""
         if self._closed or not self._started:
             raise ServiceClosed(f"engine {self.engine_id} is {'closed' if self._closed else 'not started'}")
         ids = self._check_tokens(token_ids, 0)
         if len(ids) < 2:
             raise BadRequest("prompt_logprobs needs >= 2 tokens")
+        if not temperature > 0:
+            raise BadRequest(f"prompt_logprobs at temperature {temperature}: scores need a temperature > 0")
+        if temperature != 1.0 and not self.scores_at_temperature:
+            raise BadRequest(f"engine {self.engine_id}: this backend scores prompts from raw logits (temperature 1), "
+                             f"asked for {temperature}: serve the model with --backend hf")
         await self._admit()
         self._in_flight += 1  # a weight swap waits for it: the scores are of one version
         self._drained.clear()
         try:
-            return await self._prompt_logprobs(ids)
+            return await self._prompt_logprobs(ids, temperature)
         finally:
             self._release()
 
@@ -388,7 +396,7 @@ class Engine(ABC):
         self.last_canary_gap = None
         if update.canary_token_ids is not None and update.canary_logprobs is not None:
             ids = np.asarray(update.canary_token_ids, dtype=np.int64)
-            got = await self._prompt_logprobs(ids)
+            got = await self._prompt_logprobs(ids, 1.0)
             self.last_canary_gap = canary_gap(update.canary_logprobs, got)
             err = canary_error(update.canary_logprobs, got, update.canary_tolerance)
             if err is not None:
@@ -411,7 +419,7 @@ class Engine(ABC):
     async def _abort(self, key: str) -> int: ...
 
     @abstractmethod
-    async def _prompt_logprobs(self, ids: np.ndarray) -> np.ndarray: ...
+    async def _prompt_logprobs(self, ids: np.ndarray, temperature: float) -> np.ndarray: ...
 
     @abstractmethod
     async def _abort_all(self) -> None:

@@ -138,6 +138,7 @@ class HfEngine(Engine):
     """Engine over ``transformers.AutoModelForCausalLM``."""
 
     backend = "hf"
+    scores_at_temperature = True
 
     def __init__(self, config: HfEngineConfig) -> None:
         super().__init__(engine_id=config.engine_id, initial_version=config.initial_version)
@@ -346,15 +347,17 @@ class HfEngine(Engine):
         st.cache, st.logits, st.pos = out.past_key_values, out.logits[:, -1].float(), st.pos + 1
 
     @torch.inference_mode()
-    def _score(self, ids: np.ndarray) -> np.ndarray:
-        """float32 [P-1]: log p(ids[t] | ids[:t]) for t >= 1, from one forward pass."""
+    def _score(self, ids: np.ndarray, temperature: float = 1.0) -> np.ndarray:
+        """float32 [P-1]: log p(ids[t] | ids[:t]) for t >= 1 at ``temperature``, from one forward pass."""
         x = torch.as_tensor(np.asarray(ids, dtype=np.int64), device=self.device).unsqueeze(0)
         logits = self.model(input_ids=x, use_cache=False).logits[0, :-1].float()
+        if temperature != 1.0:
+            logits = logits / temperature
         lp = torch.log_softmax(logits, dim=-1).gather(1, x[0, 1:].unsqueeze(1)).squeeze(1)
         return lp.cpu().numpy().astype(np.float32)
 
-    async def _prompt_logprobs(self, ids: np.ndarray) -> np.ndarray:
-        return await self._call(self._score, ids)
+    async def _prompt_logprobs(self, ids: np.ndarray, temperature: float) -> np.ndarray:
+        return await self._call(self._score, ids, temperature)
 
     # ------------------------------------------------------------------ weights
 

@@ -298,7 +298,7 @@ class VllmEngine(Engine):
         if self._live:
             await self._llm.abort(list(self._live))
 
-    async def _prompt_logprobs(self, ids: np.ndarray) -> np.ndarray:
+    async def _prompt_logprobs(self, ids: np.ndarray, temperature: float) -> np.ndarray:  # 1.0 (base refuses others)
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 

@@ -216,6 +216,7 @@ class PPOConfig:
         _check_policy_loss(self)
         _check_lengths_and_batches(self)
         _check_placements(self)
+        _check_remote_reference(self)
         _check_colocation(self)
         _check_async(self)
         _check_weight_sync(self)
@@ -439,12 +440,21 @@ def _check_placements(cfg: PPOConfig) -> None:
                  ("num_gpus_per_node", other.num_gpus_per_node, a.num_gpus_per_node)) if mine is not None]
         if any(mine != theirs for _, mine, theirs in given):
             flags = ", ".join(f"--{role}.{name} {mine}" for name, mine, _ in given)
-            apart = (" (under treadle-launch or train_ppo_ray, a reward model given 1 x 1 and no "
-                     "--train.colocate_critic_reward is served apart by a reward daemon)") if role == "reward" else ""
+            apart = {"reward": " (under treadle-launch or train_ppo_ray, a reward model given 1 x 1 and no "
+                               "--train.colocate_critic_reward is served apart by a reward daemon)",
+                     "ref": " (to score it on devices of its own, serve it with `treadle-rollout serve --backend hf "
+                            "--model REF` there and give --ref.remote_url)"}.get(role, "")
             raise ConfigError(
                 f"{flags}: {what} runs in the trainer's ranks beside the actor (a placement of its own is not "
                 f"implemented here{apart}): leave it unset or equal to the actor's (--actor.num_nodes {a.num_nodes} x "
                 f"--actor.num_gpus_per_node {a.num_gpus_per_node})")
+
+
+def _check_remote_reference(cfg: PPOConfig) -> None:
+    """``--ref.remote_url`` scores the reference: only where there is one to score (a KL term)."""
+    if cfg.ref.remote_url is not None and not (cfg.uses_reference or cfg.algo.kl.use_loss):
+        raise ConfigError(f"--ref.remote_url {cfg.ref.remote_url}: no reference is used (--algo.kl.init_coef 0 without "
+                          "--algo.kl.use_loss): drop it, or give the KL term a coefficient")
 
 
 def _check_colocation(cfg: PPOConfig) -> None:

@@ -257,15 +257,32 @@ class RefConfig:
     """Reference weights; None: the actor's starting weights."""
     num_nodes: int | None = None
     """Nodes of the reference; None: the actor's. The reference runs in the trainer's ranks beside
-    the actor (a placement of its own is not implemented): another value than the actor's is refused."""
+    the actor, or in a daemon of its own (--ref.remote_url); another value than the actor's is refused."""
     num_gpus_per_node: int | None = None
     """GPUs per node of the reference; None: the actor's (another value is refused, as num_nodes)."""
     offload: bool = False
     """Keep the reference in CPU memory: its ZeRO-3 parameter shards (ZeRO param offload) under --ds.zero_stage 3, else the whole replica between uses."""
+    remote_url: str | None = None
+    """A rollout daemon serving the reference (tcp://HOST:PORT of `treadle-rollout serve --backend hf
+    --model REF`, on devices of its own) that scores the sampled tokens at the sampling temperature,
+    so the trainer's ranks hold no reference; None: the reference runs in the ranks."""
+    curve_dir: str = ""
+    """CURVE client keys for a --ref.remote_url off loopback (client.key_secret, server.key)."""
 
     def __post_init__(self) -> None:
         _check_model(self)
         _check_placement(self)
+        if self.remote_url is not None:
+            if not self.remote_url.startswith("tcp://"):
+                raise ConfigError(f"--ref.remote_url {self.remote_url}: a rollout daemon's ZeroMQ address, tcp://HOST:PORT")
+            given = [f for f, on in (("--ref.model_name_or_path", self.model_name_or_path is not None),
+                                     ("--ref.offload", self.offload)) if on]
+            if given:
+                raise ConfigError(f"{' and '.join(given)} with --ref.remote_url {self.remote_url}: the reference "
+                                  "daemon holds and serves its own model; drop them")
+            require_client_keys(self.remote_url, self.curve_dir, "--ref.curve_dir")
+        elif self.curve_dir:
+            raise ConfigError("--ref.curve_dir are keys for --ref.remote_url, which is not set")
 
 
 def _check_prm_folder(path: str | None) -> None:

@@ -11,13 +11,18 @@ Two placements, chosen by the caller (``trainers.build.reference``) from ``--ds.
   counts equal across ranks for the same reason).
 
 Under ring attention (``ring``) it scores the rank's slots of each packed row and gathers the
-full row's log-probs. Not here: building the DeepSpeed engine (``strategy``).
+full row's log-probs.
+
+A third placement is outside the ranks: ``RemoteReference`` asks a rollout daemon that serves the
+reference (``--ref.remote_url``, on devices of its own) for the same log-probs, sequence by
+sequence. Not here: building the DeepSpeed engine (``strategy``).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -69,3 +74,41 @@ class Reference:
         """Release a sharded reference's DeepSpeed state (its hooks and partitions)."""
         if self.sharded:
             self.module.destroy()
+
+
+def sequence_positions(seq_index: Tensor) -> list[tuple[int, Tensor]]:
+    """(row, its columns in order) of each sequence of a batch, by sequence number, from
+    ``SeqBatch.seq_index`` (each token's sequence, -1 on padding): sequence s's token ids are
+    ``input_ids[row, columns]``, padded (one sequence a row, padding on either side) or packed."""
+    idx = seq_index.cpu()
+    out = []
+    for s in range(int(idx.max()) + 1 if idx.numel() else 0):
+        rows, cols = (idx == s).nonzero(as_tuple=True)
+        if len(rows):
+            out.append((int(rows[0]), cols))
+    return out
+
+
+class RemoteReference:
+    """The reference scored by a rollout daemon serving it (``--ref.remote_url``): ``logprobs``
+    gives ``Reference.logprobs``'s [R, T] layout (column of a sequence's first token 0), from the
+    daemon's ``prompt_logprobs`` of every sequence at the temperature, all in flight at once over
+    its engines. The engines score each sequence alone, in their own dtype: the values match the
+    ranks' own reference to the float tolerance of another batching (~1e-6 in fp32), not bit for bit."""
+
+    def __init__(self, client: Any) -> None:
+        self.client = client  # a SyncRolloutClient (one per rank)
+
+    def logprobs(self, batch: SeqBatch, temperature: float = 1.0, targets_only: bool = False) -> Tensor:
+        ids = batch.input_ids.cpu()
+        places = [(r, c) for r, c in sequence_positions(batch.seq_index) if len(c) >= 2]
+        scores = self.client.prompt_logprobs_many([ids[r, c].numpy() for r, c in places], temperature)
+        out = torch.zeros(ids.shape, dtype=torch.float32)
+        for (r, c), lp in zip(places, scores, strict=True):
+            out[r, c[1:]] = torch.as_tensor(np.array(lp, dtype=np.float32))  # a copy: the wire's array is read-only
+        if targets_only:
+            out = out * batch.target_mask.cpu()
+        return out.to(batch.input_ids.device)
+
+    def close(self) -> None:
+        self.client.close()

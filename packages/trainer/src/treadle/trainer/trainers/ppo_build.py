@@ -131,7 +131,9 @@ def frozen_models(cfg: PPOConfig, dist: DistInfo, ring: Any) -> tuple[Reference 
     from treadle.trainer.models.reward_model import RewardModel  # noqa: PLC0415
 
     reference = None
-    if cfg.uses_reference or cfg.algo.kl.use_loss:
+    if (cfg.uses_reference or cfg.algo.kl.use_loss) and cfg.ref.remote_url:
+        reference = remote_reference(cfg)
+    elif cfg.uses_reference or cfg.algo.kl.use_loss:
         path = cfg.ref.model_name_or_path or cfg.actor.model_name_or_path
         reference = build.reference(path, cfg.ds, dist, offload=cfg.ref.offload, ring=ring)
     reward_model = None
@@ -139,6 +141,26 @@ def frozen_models(cfg: PPOConfig, dist: DistInfo, ring: Any) -> tuple[Reference 
         reward_model = RewardModel.from_pretrained(cfg.reward.model_paths[0], cfg.ds).eval().requires_grad_(False)
         reward_model.to("cpu" if cfg.reward.offload else dist.device)  # --reward.offload: visits the device to score
     return reference, reward_model
+
+
+def remote_reference(cfg: PPOConfig) -> Any:
+    """``--ref.remote_url``: this rank's client of the daemon serving the reference, once it answers."""
+    from treadle.rollout.client import SyncRolloutClient  # noqa: PLC0415
+    from treadle.trainer.models.reference import RemoteReference  # noqa: PLC0415
+
+    curve = None
+    if cfg.ref.curve_dir:
+        from treadle.common.rpc import load_client_keys  # noqa: PLC0415
+
+        curve = load_client_keys(cfg.ref.curve_dir)
+    client = SyncRolloutClient(cfg.ref.remote_url, curve=curve)
+    try:
+        client.wait_ready(timeout=600.0)
+    except BaseException:
+        client.close()
+        raise
+    log.info("reference: scored by the daemon at --ref.remote_url", extra={"fields": {"endpoint": cfg.ref.remote_url}})
+    return RemoteReference(client)
 
 
 def check_teacher_tokenizer(student: str, teacher: str) -> None:
@@ -451,6 +473,8 @@ def build_parts(cfg: PPOConfig) -> PPOParts:
                      closers=[])
     if teacher is not None:
         parts.closers.append(teacher.close)
+    if reference is not None and cfg.ref.remote_url:
+        parts.closers.append(reference.close)
     if cfg.train.enable_ema:
         from treadle.trainer.models.ema import ActorEMA  # noqa: PLC0415
 
