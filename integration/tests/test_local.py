@@ -139,3 +139,27 @@ def test_a_reward_model_given_devices_of_its_own_is_served_by_a_reward_daemon(ti
     assert "--reward.num_gpus_per_node" not in trainer
     rows = [json.loads(line) for line in (tmp_path / "ckpt" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2] and all(r["reward_failed"] == 0 for r in rows)
+
+
+def test_a_reference_given_devices_of_its_own_is_served_by_a_reference_daemon(tiny, task, helpers, tmp_path):
+    """``--ref.num_gpus_per_node 1`` beside an actor of 2 ranks, with a KL term and no colocation
+    flag: the reference runs apart (OpenRLHF's meaning), in a hf rollout daemon of the actor's
+    starting weights that the launcher starts; the trainer's ranks score the KL through it
+    (``--ref.remote_url``): first-step KL ~0 (the policy is the reference), both steps trained."""
+    run = tmp_path / "run"
+    flags = helpers.ppo_flags(tiny, task, tmp_path, "--vllm.backend", "hf", "--reward.remote_url", str(task.reward),
+                              "--ref.num_gpus_per_node", "1")
+    values = {"--actor.num_gpus_per_node": "2", "--train.micro_batch_size": "4", "--rollout.micro_batch_size": "4",
+              "--algo.kl.init_coef": "0.01"}
+    flags = [values.get(flags[i - 1], f) if i else f for i, f in enumerate(flags)]
+    proc = helpers.launch(["--run_dir", str(run), "--trainer.ranks", "2", *ROLLOUT, "--", "ppo", *flags])
+    out = helpers.finish(proc, 400)
+    assert proc.returncode == 0, out[-6000:]
+    comps = helpers.run_json(run)["components"]
+    assert {n: c["exit_code"] for n, c in comps.items()} == {"rollout": 0, "reference": 0, "trainer": 0}
+    reference, trainer = comps["reference"]["cmd"], comps["trainer"]["cmd"]
+    assert [reference[reference.index(f) + 1] for f in ("--backend", "--model", "--engines")] == ["hf", str(tiny), "1"]
+    assert trainer[trainer.index("--ref.remote_url") + 1] == helpers.run_json(run)["addresses"]["reference"]
+    assert "--ref.num_gpus_per_node" not in trainer
+    rows = [json.loads(line) for line in (tmp_path / "ckpt" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2] and abs(rows[0]["kl"]) < 1e-6, rows

@@ -658,3 +658,32 @@ def test_train_ppo_ray_spreads_its_engines_as_ray_actors_unless_they_share_the_t
     two_nodes = [*colocated, "--actor.num_nodes", "2", "--vllm.num_engines", "4"]  # OpenRLHF's hybrid engine on 2 nodes
     plan = make_plan(launch_config(two_nodes, parse_ppo(two_nodes), gpus=True))
     assert plan.daemon("rollout").num_gpus == 4 and bundles_of(plan)[0] == [{"CPU": 3.0, "GPU": 2.0}, {"CPU": 2.0, "GPU": 2.0}]
+
+
+def test_a_reference_given_gpus_of_its_own_is_a_reference_daemon_on_them():
+    """``--ref.num_gpus_per_node 2`` beside an actor of 4 GPUs, with a KL term: a reference daemon of
+    2 hf engines on a bundle of 2 GPUs, the trainer wired to it (``--ref.remote_url``) without the
+    placement flags; counts equal to the actor's keep the reference in the ranks."""
+    from treadle.integration.ray_backend import reference_gpu_flags
+
+    base = ["--backend", "ray", "--trainer.ranks", "4", "--trainer.num_gpus_per_rank", "1", "--rollout.num_gpus", "2",
+            "--", "rollout", "--", "ppo", *PPO, "--reward.remote_url", "math", "--algo.kl.init_coef", "0.01"]
+    plan = plan_of(*base, "--ref.num_gpus_per_node", "2", "--ref.model_name_or_path", "R")
+    ref = plan.daemon("reference")
+    assert flag_value(ref.args[1:], "--model") == "R" and flag_value(ref.args[1:], "--backend") == "hf"
+    assert flag_value(ref.args[1:], "--engines") == "2" and ref.num_gpus == 2
+    bundles, index, _ = bundles_of(plan)
+    assert bundles[index["reference"]] == {"CPU": 1.0, "GPU": 2.0}
+    assert plan.trainer_cfg.ref.remote_url is not None and plan.trainer_cfg.ref.model_name_or_path is None
+    assert not {"--ref.num_gpus_per_node", "--ref.model_name_or_path"} & set(plan.cfg.trainer.args)
+    assert reference_gpu_flags(plan, {"reference": {"gpu_ids": ["4", "5"]}}) == ["--gpu_ids", "4", "5",
+                                                                                   "--engine.device", "cuda"]
+    assert plan_of(*base, "--ref.num_gpus_per_node", "4").daemon("reference") is None  # the actor's: in the ranks
+    for extra, message in ((["--ref.num_gpus_per_node", "2", "--ref.num_nodes", "2"], "serves from one node"),
+                           (["--ref.num_gpus_per_node", "2", "--ref.offload"], "--ref.offload keeps the reference"),
+                           (["--ref.num_gpus_per_node", "2", "--train.colocate_actor_ref"], "runs in the trainer's ranks")):
+        with pytest.raises(ConfigError, match=message):
+            plan_of(*base, *extra)
+    with pytest.raises(ConfigError, match="serve the reference with --backend hf"):
+        plan_of("--backend", "ray", "--", "rollout", "--", "reference", "--backend", "vllm", "--", "ppo", *PPO,
+                "--reward.remote_url", "math", "--algo.kl.init_coef", "0.01", "--rollout.temperature", "0.9")

@@ -11,8 +11,8 @@
 ``main()`` parses (the launcher's flags, then every section with its component's own config: a
 bad flag anywhere fails before anything starts), runs the backend, and always tears everything
 down. Exit status: 0 when the trainer finished (or, without a trainer, never: daemons serve until
-Ctrl-C, which exits 130); 10 trainer, 11 rollout, 12 rewards, 13 agents when that component
-failed; 2 for invalid flags; 1 when the launcher itself failed. With ``--max_restarts N`` a run
+Ctrl-C, which exits 130); 10 trainer, 11 rollout, 12 rewards, 13 agents, 14 reference when that
+component failed; 2 for invalid flags; 1 when the launcher itself failed. With ``--max_restarts N`` a run
 whose component failed is started again from the trainer's last checkpoint, up to N times
 (``restart``); the exit status is then the last attempt's. Each component's log and ``run.json``
 are in the run directory (an earlier attempt's in ``attempt-<n>/``).

@@ -34,7 +34,7 @@ from treadle.common.config import ConfigError, configclass, label_selector, pars
 Backend = Literal["local", "ray"]
 TrainerCommand = Literal["ppo", "sft", "rm", "dpo", "kto"]
 TRAINER_COMMANDS: tuple[str, ...] = ("ppo", "sft", "rm", "dpo", "kto")
-DAEMONS: tuple[str, ...] = ("rollout", "rewards", "agents")
+DAEMONS: tuple[str, ...] = ("rollout", "reference", "rewards", "agents")
 SECTIONS: tuple[str, ...] = DAEMONS + TRAINER_COMMANDS
 
 
@@ -59,6 +59,26 @@ class RolloutLaunch:
     node_labels: tuple[str, ...] = ()
     """ray: KEY=VALUE labels a node must have to host it (nodes get them from `ray start --labels`);
     empty: any node."""
+
+    def __post_init__(self) -> None:
+        _check_resources(self.num_cpus, self.num_gpus)
+        label_selector(self.node_labels)
+
+
+@configclass
+class ReferenceLaunch:
+    """A rollout daemon serving ppo's reference on devices of its own (``treadle-rollout serve
+    --backend hf --model REF``): it scores the sampled tokens for the trainer (``--ref.remote_url``)."""
+
+    args: tuple[str, ...] | None = None
+    """Its flags (the ``-- reference ...`` section; made by the launcher from ``--ref.num_gpus_per_node``
+    unlike the actor's); None: the reference (if any) runs in the trainer's ranks."""
+    num_gpus: int = 0
+    """ray: GPUs reserved for its engines (one each); 0: CPU engines."""
+    num_cpus: float = 1.0
+    """ray: CPUs reserved for it."""
+    node_labels: tuple[str, ...] = ()
+    """ray: KEY=VALUE labels a node must have to host it (`ray start --labels`); empty: any node."""
 
     def __post_init__(self) -> None:
         _check_resources(self.num_cpus, self.num_gpus)
@@ -160,8 +180,9 @@ class RayLaunch:
 class LaunchConfig:
     """treadle-launch: start rollout, reward, agent daemons and the trainer together (Ray or local processes).
 
-    Components come from sections after the launcher's flags: `-- rollout FLAGS`, `-- rewards FLAGS`,
-    `-- agents FLAGS`, `-- ppo FLAGS` (or sft, rm, dpo, kto), each with that command's own flags.
+    Components come from sections after the launcher's flags: `-- rollout FLAGS`, `-- reference FLAGS`,
+    `-- rewards FLAGS`, `-- agents FLAGS`, `-- ppo FLAGS` (or sft, rm, dpo, kto), each with that command's
+    own flags.
     """
 
     backend: Backend = "local"
@@ -169,6 +190,7 @@ class LaunchConfig:
     run_dir: str = ""
     """Folder of every component's log and run.json; empty: <TREADLE_RUN_DIR>/launch-<UTC time>."""
     rollout: RolloutLaunch = RolloutLaunch()
+    reference: ReferenceLaunch = ReferenceLaunch()
     rewards: RewardsLaunch = RewardsLaunch()
     agents: AgentsLaunch = AgentsLaunch()
     trainer: TrainerLaunch = TrainerLaunch()
@@ -200,13 +222,14 @@ class LaunchConfig:
         if self.trainer.command is None and self.trainer.args:
             raise ConfigError("--trainer.args without --trainer.command: name the treadle-train command")
         if self.backend == "local":
-            gpus = {"--rollout.num_gpus": self.rollout.num_gpus, "--rewards.num_gpus": self.rewards.num_gpus,
+            gpus = {"--rollout.num_gpus": self.rollout.num_gpus, "--reference.num_gpus": self.reference.num_gpus,
+                    "--rewards.num_gpus": self.rewards.num_gpus,
                     "--trainer.num_gpus_per_rank": self.trainer.num_gpus_per_rank}
             used = [k for k, v in gpus.items() if v]
             if self.trainer.nodes > 1:
                 raise ConfigError(f"--trainer.nodes {self.trainer.nodes}: the local backend runs on this machine; "
                                   "use --backend ray for a trainer across nodes")
-            labelled = [f"--{n}.node_labels" for n in ("rollout", "rewards", "agents", "trainer")
+            labelled = [f"--{n}.node_labels" for n in ("rollout", "reference", "rewards", "agents", "trainer")
                         if getattr(self, n).node_labels]
             if labelled:
                 raise ConfigError(f"{', '.join(labelled)} place components on Ray nodes: use --backend ray")

@@ -97,8 +97,9 @@ def probe_for(name: str, addresses: Addresses, curve: Any = None) -> Probe:
 
         return curve if endpoint.startswith("tcp://") and off_loopback(endpoint) else None
 
-    if name == "rollout":
-        return RolloutProbe(addresses.rollout or "", keys_for(addresses.rollout or ""))
+    if name in ("rollout", "reference"):
+        endpoint = getattr(addresses, name) or ""
+        return RolloutProbe(endpoint, keys_for(endpoint))
     if name == "rewards":
         return RewardsProbe(addresses.rewards or "", keys_for(addresses.rewards or ""))
     if name == "agents":

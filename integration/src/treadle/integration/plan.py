@@ -28,6 +28,7 @@ Not here: starting processes or actors (``local``, ``ray_backend``), readiness (
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -36,10 +37,10 @@ from typing import Any
 from treadle.common.config import ConfigError, label_selector, parse
 from treadle.integration.config import LaunchConfig, flag_name
 
-MODULES = {"rollout": "treadle.rollout.cli", "rewards": "treadle.rewards.cli", "agents": "treadle.agents.cli",
+MODULES = {"rollout": "treadle.rollout.cli", "reference": "treadle.rollout.cli", "rewards": "treadle.rewards.cli", "agents": "treadle.agents.cli",
            "trainer": "treadle.trainer.cli"}
 """Component -> module whose ``main(argv)`` runs it (the same code as its console script)."""
-EXIT_CODES = {"trainer": 10, "rollout": 11, "rewards": 12, "agents": 13}
+EXIT_CODES = {"trainer": 10, "rollout": 11, "rewards": 12, "agents": 13, "reference": 14}
 """Launcher exit status when that component fails (exits non-zero, dies, or never gets ready)."""
 EXIT_INTERRUPTED = 130
 """Launcher exit status after Ctrl-C / SIGTERM."""
@@ -54,6 +55,8 @@ class Addresses:
 
     rollout: str | None = None
     """The rollout daemon's ZeroMQ endpoint (tcp://host:port)."""
+    reference: str | None = None
+    """The reference daemon's ZeroMQ endpoint (a rollout daemon serving ppo's reference)."""
     rewards: str | None = None
     """The reward daemon's ZeroMQ endpoint."""
     rewards_http: str | None = None
@@ -235,6 +238,39 @@ def rollout_plan(cfg: LaunchConfig, ppo: Any) -> DaemonPlan:
                       ray_engines=ray_engines, engines=checked.engines, ranks_per_engine=checked.ranks_per_engine)
 
 
+def reference_flags_from(ppo: Any) -> list[str]:
+    """``treadle-rollout serve`` flags for the daemon scoring a ppo run's reference: the actor's
+    starting weights (``--model`` of a ``-- reference`` section names another), the hf backend (it
+    scores at the sampling temperature), the trainer's dtype and length."""
+    from treadle.trainer.daemon import daemon_spec, serve_args  # noqa: PLC0415  (no torch)
+
+    spec = dataclasses.replace(daemon_spec(ppo), engines=1, backend="hf", enable_sleep=False, max_lora_rank=0)
+    items = flag_items(serve_args(spec, _PLACEHOLDER))
+    return [t for flag, values in items if flag != "--endpoint" for t in (flag, *values)]
+
+
+def reference_plan(cfg: LaunchConfig, ppo: Any) -> DaemonPlan:
+    from treadle.rollout.config import ServeConfig  # noqa: PLC0415
+
+    user = cfg.reference.args or ()
+    args = merge(reference_flags_from(ppo) if ppo is not None else [], user)
+    endpoint = flag_value(user, "--endpoint")
+    checked = _check(ServeConfig, [*args, *(() if endpoint else ("--endpoint", _PLACEHOLDER))], "reference")
+    if endpoint:
+        _fixed_port("--endpoint", endpoint, "reference")
+    if ppo is not None and checked.backend != "hf" and ppo.rollout.temperature != 1.0:
+        raise ConfigError(f"`-- reference --backend {checked.backend}` scores prompts from raw logits, and the trainer "
+                          f"samples at --rollout.temperature {ppo.rollout.temperature}: serve the reference with "
+                          "--backend hf")
+    gpus = cfg.reference.num_gpus
+    if gpus and gpus != checked.engines * checked.ranks_per_engine:
+        raise ConfigError(f"--reference.num_gpus {gpus}: the reference daemon runs {checked.engines} engines x "
+                          f"{checked.ranks_per_engine} GPUs (--engines x --tensor_parallel_size)")
+    return DaemonPlan(name="reference", args=("serve", *args), port_flags=() if endpoint else ("--endpoint",),
+                      given=Addresses(reference=endpoint), num_gpus=gpus, num_cpus=cfg.reference.num_cpus,
+                      engines=checked.engines, ranks_per_engine=checked.ranks_per_engine)
+
+
 def colocated_places(engines: int, ranks_per_engine: int, nodes: int, ranks_per_node: int) -> list[tuple[int, range]]:
     """Where ``--train.colocate_all`` over ``nodes`` trainer nodes puts each engine: (the trainer
     bundle, i.e. node, it shares; the local ranks there whose GPUs its workers take), filling node
@@ -298,6 +334,8 @@ def _wired(cfg: LaunchConfig) -> dict[str, str]:
             wired["--vllm.endpoint"] = "rollout"
         if cfg.rewards.args is not None:
             wired["--reward.remote_url"] = "rewards"
+        if cfg.reference.args is not None:
+            wired["--ref.remote_url"] = "reference"
     return wired
 
 
@@ -380,7 +418,6 @@ def place_reward_model(cfg: LaunchConfig) -> LaunchConfig:
     t = cfg.trainer
     if t.command != "ppo" or not given_names(t.args) & set(REWARD_PLACEMENT):
         return cfg
-    import dataclasses  # noqa: PLC0415
 
     from treadle.integration.config import RewardsLaunch  # noqa: PLC0415
 
@@ -422,12 +459,58 @@ def place_reward_model(cfg: LaunchConfig) -> LaunchConfig:
     return dataclasses.replace(cfg, rewards=rewards, trainer=dataclasses.replace(t, args=tuple(trainer)))
 
 
+
+REF_PLACEMENT = ("--ref.num_nodes", "--ref.num_gpus_per_node")
+"""ppo flags that, without --train.colocate_actor_ref / --train.colocate_all, put the reference on
+devices of its own (OpenRLHF's meaning): the launcher serves it in a reference daemon."""
+
+
+def place_reference(cfg: LaunchConfig) -> LaunchConfig:
+    """``-- ppo`` with a KL term and ``--ref.num_gpus_per_node G`` (or ``--ref.num_nodes``) other
+    than the actor's, without ``--train.colocate_actor_ref`` / ``--train.colocate_all``: the
+    reference on devices of its own, as OpenRLHF places it. The launcher starts a reference daemon
+    (``treadle-rollout serve --backend hf --model REF --engines G``, REF from ``--ref.model_name_or_path``
+    or the actor's; G GPUs under ``--backend ray`` on a GPU cluster, else CPU processes), and the
+    trainer scores its KL through it (``--ref.remote_url``, wired as for a ``-- reference`` section
+    of the user's own). Counts equal to the actor's keep the reference in the trainer's ranks,
+    treadle's default (as for the reward model). The daemon runs on one node (``--ref.num_nodes 1``),
+    and ``--ref.offload`` (CPU memory in the ranks) cannot go with it. Anything else is returned unchanged.
+    """
+    t = cfg.trainer
+    if t.command != "ppo" or cfg.reference.args is not None or not given_names(t.args) & set(REF_PLACEMENT):
+        return cfg
+    stripped = without_flags(t.args, REF_PLACEMENT)
+    ppo = trainer_config(dataclasses.replace(cfg, trainer=dataclasses.replace(t, args=tuple(stripped))))
+    counts = {f: flag_value(t.args, f) for f in REF_PLACEMENT}
+    actor = {"--ref.num_nodes": str(ppo.actor.num_nodes), "--ref.num_gpus_per_node": str(ppo.actor.num_gpus_per_node)}
+    same = all(v is None or v == actor[f] for f, v in counts.items())
+    used = ppo.uses_reference or ppo.algo.kl.use_loss
+    if same or ppo.train.colocate_all or ppo.train.colocate_actor_ref or not used or ppo.ref.remote_url:
+        return cfg  # in the trainer's ranks (or none): the trainer's own check of the counts applies
+    nodes, per_node = (int(counts[f] or actor[f]) for f in REF_PLACEMENT)
+    if nodes != 1:
+        raise ConfigError(f"--ref.num_nodes {nodes}: the reference daemon serves from one node; give --ref.num_nodes 1 "
+                          "and its GPUs in --ref.num_gpus_per_node")
+    if ppo.ref.offload:
+        raise ConfigError("--ref.offload keeps the reference in CPU memory in the trainer's ranks; given devices of its "
+                          "own (--ref.num_gpus_per_node) it is served apart: drop one of them")
+    from treadle.integration.config import ReferenceLaunch  # noqa: PLC0415
+
+    model = ppo.ref.model_name_or_path or ppo.actor.model_name_or_path
+    trainer = without_flags(stripped, ("--ref.model_name_or_path",))
+    reference = ReferenceLaunch(args=("--model", model, "--engines", str(per_node)),
+                                num_gpus=per_node if t.num_gpus_per_rank else 0, num_cpus=cfg.reference.num_cpus,
+                                node_labels=cfg.reference.node_labels)
+    return dataclasses.replace(cfg, reference=reference, trainer=dataclasses.replace(t, args=tuple(trainer)))
+
+
 def make_plan(cfg: LaunchConfig) -> Plan:
     """Check every section and derive each daemon's flags (raises ConfigError naming the section)."""
-    cfg = place_reward_model(cfg)
+    cfg = place_reference(place_reward_model(cfg))
     tcfg = trainer_config(cfg)
     ppo = tcfg if cfg.trainer.command == "ppo" else None
-    builders = {"rollout": lambda: rollout_plan(cfg, ppo), "rewards": lambda: rewards_plan(cfg),
+    builders = {"rollout": lambda: rollout_plan(cfg, ppo), "reference": lambda: reference_plan(cfg, ppo),
+                "rewards": lambda: rewards_plan(cfg),
                 "agents": lambda: agents_plan(cfg, ppo)}
     daemons = tuple(builders[name]() for name in cfg.daemons)
     colocate = bool(ppo is not None and ppo.train.colocate_all)
@@ -537,11 +620,12 @@ def bind(daemon: DaemonPlan, host: str, ports: Sequence[int], wired: Addresses,
     def secure(flag: str, value: str) -> list[str]:
         return [flag, value] if off and flag not in given else []
 
-    if daemon.name == "rollout":
+    if daemon.name in ("rollout", "reference"):
         if "--endpoint" in filled:
             args += ["--endpoint", f"tcp://{host}:{filled['--endpoint']}"]
             args += secure("--curve_dir", keys.curve_dir if keys else "")
-        return args, Addresses(rollout=daemon.given.rollout or f"tcp://{host}:{filled['--endpoint']}")
+        given_at = getattr(daemon.given, daemon.name)
+        return args, Addresses(**{daemon.name: given_at or f"tcp://{host}:{filled['--endpoint']}"})
     if daemon.name == "rewards":
         if "--zmq.endpoint" in filled:
             args += ["--zmq.endpoint", f"tcp://{host}:{filled['--zmq.endpoint']}"]
@@ -595,6 +679,8 @@ def trainer_argv(cfg: LaunchConfig, addresses: Addresses, python: str = sys.exec
     if t.command == "ppo":
         rollout_off = "--vllm.endpoint" in _wired(cfg) and _off_loopback(addresses.rollout)
         extra = {"--vllm.curve_dir": keys.curve_dir if keys and rollout_off else None,
+                 "--ref.curve_dir": keys.curve_dir if keys and "--ref.remote_url" in _wired(cfg)
+                 and _off_loopback(addresses.reference) else None,
                  "--reward.curve_dir": keys.curve_dir if keys and "--reward.remote_url" in _wired(cfg)
                  and _off_loopback(addresses.rewards) else None,
                  "--vllm.sync_host": sync_host if rollout_off else None}

@@ -403,6 +403,16 @@ def rollout_placement_flags(plan: Plan, where: dict[str, dict[str, Any]]) -> lis
     return ["--gpu_ids", *gpus] if gpus else []
 
 
+def reference_gpu_flags(plan: Plan, where: dict[str, dict[str, Any]]) -> list[str]:
+    """The reference daemon's GPUs, its bundle's (its hf engines on CUDA, one GPU each); none on CPU
+    or when the user gave ``--gpu_ids``."""
+    d = plan.daemon("reference")
+    gpus = where["reference"]["gpu_ids"] if d is not None else []
+    if not gpus or flag_value(d.args[1:], "--gpu_ids") is not None:
+        return []
+    return ["--gpu_ids", *gpus, *(() if flag_value(d.args[1:], "--engine.device") else ("--engine.device", "cuda"))]
+
+
 def start_daemons(plan: Plan, sup: Supervisor, actors: dict[str, Any], where: dict[str, dict[str, Any]],
                   run_dir: Path, keys: Keys | None) -> Addresses:
     """Start every daemon bound to its node's address (rollout first: the gateway is wired to it)."""
@@ -411,6 +421,8 @@ def start_daemons(plan: Plan, sup: Supervisor, actors: dict[str, Any], where: di
         argv, mine = bind(d, where[d.name]["node_ip"], where[d.name]["ports"], addresses, keys)
         if d.name == "rollout":
             argv += rollout_placement_flags(plan, where)
+        if d.name == "reference":
+            argv += reference_gpu_flags(plan, where)
         addresses = merge_addresses(addresses, mine)
         log_path = run_dir / f"{d.name}.log"
         ref = actors[d.name].run_main.remote(d.module, argv, str(log_path))
