@@ -363,6 +363,25 @@ def test_ppo_on_one_gpu_with_an_engine_on_that_gpu(sync, own_daemon, tiny, task,
 
 
 @pytest.mark.gpu
+def test_ppo_on_one_gpu_scores_its_reference_in_a_daemon_of_its_own(tiny, task, helpers, tmp_path):
+    """``--ref.remote_url`` on the GPU machine: the reference is a second hf daemon on CUDA (fp32 as
+    the trainer), scoring every sequence at the sampling temperature; the first step's KL is the
+    ranks' own to float rounding, and the run trains (the engine syncs over CUDA IPC as above)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    on_gpu = ("--backend", "hf", "--engine.device", "cuda", "--gpu_ids", "0")
+    with serving(tiny, helpers, *on_gpu) as endpoint, serving(tiny, helpers, *on_gpu) as ref_url:
+        run_ppo(ppo_args(tiny, task, tmp_path, endpoint, "--data.max_samples", "12", "--algo.kl.init_coef", "0.01",
+                         "--vllm.sync_backend", "cuda_ipc", "--rollout.temperature", "0.9", "--ref.remote_url", ref_url),
+                helpers)
+    rows = metrics(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert abs(rows[0]["kl"]) < 1e-4 < rows[-1]["kl"], [r["kl"] for r in rows]
+
+
+@pytest.mark.gpu
 def test_ppo_on_one_gpu_sends_only_the_lora_adapter_into_vllm_over_cuda_ipc(tiny, task, helpers, tmp_path):
     """``--vllm.sync_adapters`` on the GPU: vLLM (on the trainer's GPU) serves its own base model
     with the adapter each step sends over CUDA IPC (its workers stage the adapter from the
