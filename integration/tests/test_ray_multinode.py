@@ -679,11 +679,17 @@ def test_a_reference_given_gpus_of_its_own_is_a_reference_daemon_on_them():
     assert reference_gpu_flags(plan, {"reference": {"gpu_ids": ["4", "5"]}}) == ["--gpu_ids", "4", "5",
                                                                                    "--engine.device", "cuda"]
     assert plan_of(*base, "--ref.num_gpus_per_node", "4").daemon("reference") is None  # the actor's: in the ranks
-    for extra, message in ((["--ref.num_gpus_per_node", "2", "--ref.num_nodes", "2"], "serves from one node"),
-                           (["--ref.num_gpus_per_node", "2", "--ref.offload"], "--ref.offload keeps the reference"),
+    spread = plan_of(*base, "--ref.num_gpus_per_node", "2", "--ref.num_nodes", "2").daemon("reference")  # 4 on Ray
+    assert [flag_value(spread.args[1:], f) for f in ("--engines", "--engine_placement", "--ray.num_gpus_per_rank",
+                                                     "--engine.device")] == ["4", "ray", "1", "cuda"]
+    assert spread.num_gpus == 0 and spread.ray_engines
+    for extra, message in ((["--ref.num_gpus_per_node", "2", "--ref.offload"], "--ref.offload keeps the reference"),
                            (["--ref.num_gpus_per_node", "2", "--train.colocate_actor_ref"], "runs in the trainer's ranks")):
         with pytest.raises(ConfigError, match=message):
             plan_of(*base, *extra)
+    with pytest.raises(ConfigError, match="spreads the reference's engines over Ray nodes: use --backend ray"):
+        plan_of("--trainer.ranks", "2", "--", "rollout", "--", "ppo", *PPO, "--reward.remote_url", "math",
+                "--algo.kl.init_coef", "0.01", "--ref.num_nodes", "2", "--ref.num_gpus_per_node", "1")
     with pytest.raises(ConfigError, match="serve the reference with --backend hf"):
         plan_of("--backend", "ray", "--", "rollout", "--", "reference", "--backend", "vllm", "--", "ppo", *PPO,
                 "--reward.remote_url", "math", "--algo.kl.init_coef", "0.01", "--rollout.temperature", "0.9")

@@ -263,12 +263,16 @@ def reference_plan(cfg: LaunchConfig, ppo: Any) -> DaemonPlan:
                           f"samples at --rollout.temperature {ppo.rollout.temperature}: serve the reference with "
                           "--backend hf")
     gpus = cfg.reference.num_gpus
+    if gpus and checked.engine_placement == "ray":
+        raise ConfigError(f"--reference.num_gpus {gpus} with `-- reference --engine_placement ray`: each engine reserves "
+                          "its own GPUs (--ray.num_gpus_per_rank); drop --reference.num_gpus")
     if gpus and gpus != checked.engines * checked.ranks_per_engine:
         raise ConfigError(f"--reference.num_gpus {gpus}: the reference daemon runs {checked.engines} engines x "
                           f"{checked.ranks_per_engine} GPUs (--engines x --tensor_parallel_size)")
     return DaemonPlan(name="reference", args=("serve", *args), port_flags=() if endpoint else ("--endpoint",),
                       given=Addresses(reference=endpoint), num_gpus=gpus, num_cpus=cfg.reference.num_cpus,
-                      engines=checked.engines, ranks_per_engine=checked.ranks_per_engine)
+                      ray_engines=checked.engine_placement == "ray", engines=checked.engines,
+                      ranks_per_engine=checked.ranks_per_engine)
 
 
 def colocated_places(engines: int, ranks_per_engine: int, nodes: int, ranks_per_node: int) -> list[tuple[int, range]]:
@@ -473,8 +477,9 @@ def place_reference(cfg: LaunchConfig) -> LaunchConfig:
     or the actor's; G GPUs under ``--backend ray`` on a GPU cluster, else CPU processes), and the
     trainer scores its KL through it (``--ref.remote_url``, wired as for a ``-- reference`` section
     of the user's own). Counts equal to the actor's keep the reference in the trainer's ranks,
-    treadle's default (as for the reward model). The daemon runs on one node (``--ref.num_nodes 1``),
-    and ``--ref.offload`` (CPU memory in the ranks) cannot go with it. Anything else is returned unchanged.
+    treadle's default (as for the reward model). Over ``--ref.num_nodes N > 1`` (Ray backend) its
+    N x G engines are Ray actors of a GPU each on any node (``--engine_placement ray``).
+    ``--ref.offload`` (CPU memory in the ranks) cannot go with it. Anything else is returned unchanged.
     """
     t = cfg.trainer
     if t.command != "ppo" or cfg.reference.args is not None or not given_names(t.args) & set(REF_PLACEMENT):
@@ -488,9 +493,9 @@ def place_reference(cfg: LaunchConfig) -> LaunchConfig:
     if same or ppo.train.colocate_all or ppo.train.colocate_actor_ref or not used or ppo.ref.remote_url:
         return cfg  # in the trainer's ranks (or none): the trainer's own check of the counts applies
     nodes, per_node = (int(counts[f] or actor[f]) for f in REF_PLACEMENT)
-    if nodes != 1:
-        raise ConfigError(f"--ref.num_nodes {nodes}: the reference daemon serves from one node; give --ref.num_nodes 1 "
-                          "and its GPUs in --ref.num_gpus_per_node")
+    if nodes > 1 and cfg.backend != "ray":
+        raise ConfigError(f"--ref.num_nodes {nodes} spreads the reference's engines over Ray nodes: use --backend ray "
+                          "(or --ref.num_nodes 1)")
     if ppo.ref.offload:
         raise ConfigError("--ref.offload keeps the reference in CPU memory in the trainer's ranks; given devices of its "
                           "own (--ref.num_gpus_per_node) it is served apart: drop one of them")
@@ -498,9 +503,13 @@ def place_reference(cfg: LaunchConfig) -> LaunchConfig:
 
     model = ppo.ref.model_name_or_path or ppo.actor.model_name_or_path
     trainer = without_flags(stripped, ("--ref.model_name_or_path",))
-    reference = ReferenceLaunch(args=("--model", model, "--engines", str(per_node)),
-                                num_gpus=per_node if t.num_gpus_per_rank else 0, num_cpus=cfg.reference.num_cpus,
-                                node_labels=cfg.reference.node_labels)
+    gpus = bool(t.num_gpus_per_rank)
+    args: tuple[str, ...] = ("--model", model, "--engines", str(nodes * per_node))
+    if nodes > 1:  # each engine a Ray actor with a GPU of its own, on any node (as the rollout's apart)
+        args += ("--engine_placement", "ray", "--ray.num_gpus_per_rank", "1" if gpus else "0",
+                 *(("--engine.device", "cuda") if gpus else ()))
+    reference = ReferenceLaunch(args=args, num_gpus=per_node if gpus and nodes == 1 else 0,
+                                num_cpus=cfg.reference.num_cpus, node_labels=cfg.reference.node_labels)
     return dataclasses.replace(cfg, reference=reference, trainer=dataclasses.replace(t, args=tuple(trainer)))
 
 

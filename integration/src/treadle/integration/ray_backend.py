@@ -407,7 +407,7 @@ def reference_gpu_flags(plan: Plan, where: dict[str, dict[str, Any]]) -> list[st
     """The reference daemon's GPUs, its bundle's (its hf engines on CUDA, one GPU each); none on CPU
     or when the user gave ``--gpu_ids``."""
     d = plan.daemon("reference")
-    gpus = where["reference"]["gpu_ids"] if d is not None else []
+    gpus = where["reference"]["gpu_ids"] if d is not None and not d.ray_engines else []
     if not gpus or flag_value(d.args[1:], "--gpu_ids") is not None:
         return []
     return ["--gpu_ids", *gpus, *(() if flag_value(d.args[1:], "--engine.device") else ("--engine.device", "cuda"))]
