@@ -194,6 +194,17 @@ def test_prompt_logprobs_at_a_temperature_are_the_scaled_models_or_refused(subje
         subject.aio(subject.engine.prompt_logprobs(PROMPTS[2], 0.0))
 
 
+def test_prompt_logprobs_asked_together_equal_each_alone(subject, ref, tools):
+    """Sequences scored at once (a reference daemon's micro-batch: the hf backend pads them into
+    one forward) get each its own log-probs, whatever their lengths."""
+    async def together():
+        return await asyncio.gather(*(subject.engine.prompt_logprobs(p) for p in PROMPTS))
+
+    got = subject.aio(together())
+    for p, lp in zip(PROMPTS, got, strict=True):
+        assert lp.shape == (len(p) - 1,) and np.abs(lp - tools.prompt_logprobs(ref["a"], p)).max() <= TOL
+
+
 def test_abort_stops_request(subject):
     async def scenario():
         task = asyncio.create_task(collect(subject.engine, request(

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from treadle.common import ipc
-from treadle.common.errors import BadRequest
+from treadle.common.errors import BadRequest, ServiceClosed
 from treadle.common.log import get_logger
 from treadle.common.records import (
     CollectiveWeights,
@@ -62,6 +62,9 @@ from treadle.rollout.engine.weights import (
     model_eos_ids,
     spec_from_checkpoint,
 )
+
+SCORE_LOGITS = 1 << 28
+"""Logit elements one scoring forward may hold (fp32: 1 GiB): how many queued sequences go together."""
 
 log = get_logger(__name__)
 
@@ -155,6 +158,8 @@ class HfEngine(Engine):
         self._adapter: LoraAdapter | None = None  # the LoRA layers injected into the model (``_adapt``)
         self._eos: tuple[int, ...] = ()
         self._fallback = torch.Generator(device=self.device).manual_seed(config.seed)
+        self._to_score: collections.deque[tuple[np.ndarray, float, asyncio.Future[np.ndarray]]] = collections.deque()
+        self._scorer: asyncio.Task[None] | None = None  # ``_drain_scores``
         self.model: Any = None
 
     async def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
@@ -188,6 +193,13 @@ class HfEngine(Engine):
         if self._loop_task is not None:
             self._loop_task.cancel()
             await asyncio.gather(self._loop_task, return_exceptions=True)
+        if self._scorer is not None:
+            self._scorer.cancel()
+            await asyncio.gather(self._scorer, return_exceptions=True)
+        while self._to_score:  # scores asked for and never computed owe their callers an answer
+            fut = self._to_score.popleft()[2]
+            if not fut.done():
+                fut.set_exception(ServiceClosed(f"engine {self.engine_id} closed"))
         for row in self._running:  # the cancelled batch's samples still owe their consumers a result
             row.r.results.put_nowait(self._result(row, "abort"))
         self._running = []
@@ -357,7 +369,56 @@ class HfEngine(Engine):
         return lp.cpu().numpy().astype(np.float32)
 
     async def _prompt_logprobs(self, ids: np.ndarray, temperature: float) -> np.ndarray:
-        return await self._call(self._score, ids, temperature)
+        """Queued and scored with whatever else is queued, in one padded forward (``_drain_scores``):
+        a reference daemon gets a micro-batch's sequences at once."""
+        fut: asyncio.Future[np.ndarray] = asyncio.get_running_loop().create_future()
+        self._to_score.append((np.asarray(ids), temperature, fut))
+        if self._scorer is None or self._scorer.done():
+            self._scorer = asyncio.create_task(self._drain_scores())
+        return await fut
+
+    async def _drain_scores(self) -> None:
+        """Score the queued sequences, as many a forward as ``score_rows`` fit in ``SCORE_LOGITS``."""
+        while self._to_score:
+            take = [self._to_score.popleft()]
+            width = len(take[0][0])
+            while self._to_score and len(take) < self.config.max_batch_samples:
+                wider = max(width, len(self._to_score[0][0]))
+                if (len(take) + 1) * wider * self.vocab_size > SCORE_LOGITS:
+                    break
+                take.append(self._to_score.popleft())
+                width = wider
+            try:
+                out = await self._call(self._score_rows, [ids for ids, _, _ in take], [t for _, t, _ in take])
+            except Exception as e:  # noqa: BLE001  (each caller gets the failure; the engine keeps serving)
+                for *_, fut in take:
+                    if not fut.done():
+                        fut.set_exception(e)
+                continue
+            for (*_, fut), lp in zip(take, out, strict=True):
+                if not fut.done():
+                    fut.set_result(lp)
+
+    @torch.inference_mode()
+    def _score_rows(self, rows: Sequence[np.ndarray], temperatures: Sequence[float]) -> list[np.ndarray]:
+        """``_score`` of several sequences in one right-padded forward (causal: padding after a
+        row changes none of its logits)."""
+        if len(rows) == 1:
+            return [self._score(rows[0], temperatures[0])]
+        width = max(len(r) for r in rows)
+        x = torch.zeros(len(rows), width, dtype=torch.long)
+        mask = torch.zeros(len(rows), width, dtype=torch.long)
+        for k, r in enumerate(rows):
+            x[k, :len(r)] = torch.as_tensor(np.asarray(r, dtype=np.int64))
+            mask[k, :len(r)] = 1
+        x, mask = x.to(self.device), mask.to(self.device)
+        logits = self.model(input_ids=x, attention_mask=mask, use_cache=False).logits
+        out = []
+        for k, (r, t) in enumerate(zip(rows, temperatures, strict=True)):
+            row = logits[k, :len(r) - 1].float()
+            lp = torch.log_softmax(row / t if t != 1.0 else row, dim=-1).gather(1, x[k, 1:len(r)].unsqueeze(1))
+            out.append(lp.squeeze(1).cpu().numpy().astype(np.float32))
+        return out
 
     # ------------------------------------------------------------------ weights
 

@@ -93,8 +93,9 @@ class RemoteReference:
     """The reference scored by a rollout daemon serving it (``--ref.remote_url``): ``logprobs``
     gives ``Reference.logprobs``'s [R, T] layout (column of a sequence's first token 0), from the
     daemon's ``prompt_logprobs`` of every sequence at the temperature, all in flight at once over
-    its engines. The engines score each sequence alone, in their own dtype: the values match the
-    ranks' own reference to the float tolerance of another batching (~1e-6 in fp32), not bit for bit."""
+    its engines (a hf engine pads what is queued into one forward), in their own dtype: the values
+    match the ranks' own reference to the float tolerance of another batching (~1e-6 in fp32), not
+    bit for bit."""
 
     def __init__(self, client: Any) -> None:
         self.client = client  # a SyncRolloutClient (one per rank)
