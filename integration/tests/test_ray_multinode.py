@@ -693,3 +693,33 @@ def test_a_reference_given_gpus_of_its_own_is_a_reference_daemon_on_them():
     with pytest.raises(ConfigError, match="serve the reference with --backend hf"):
         plan_of("--backend", "ray", "--", "rollout", "--", "reference", "--backend", "vllm", "--", "ppo", *PPO,
                 "--reward.remote_url", "math", "--algo.kl.init_coef", "0.01", "--rollout.temperature", "0.9")
+
+
+@pytest.mark.slow
+def test_a_reference_over_two_nodes_scores_through_ray_placed_engines(tiny, task, helpers, tmp_path):
+    """``--ref.num_nodes 2 --ref.num_gpus_per_node 1`` beside an actor of one rank: the launcher's
+    reference daemon (its front end on the head, beside the trainer and the rollout daemon) runs
+    its two engines as Ray actors, which land on the two other nodes (the head is full); the rank
+    scores the KL through it: first-step KL ~0, both steps trained."""
+    import re
+
+    with _cluster({"num_cpus": 3}, {"num_cpus": 1}, {"num_cpus": 1}) as (cluster, nodes, ray_tmp):
+        run = tmp_path / "run"
+        flags = [*helpers.ppo_flags(tiny, task, tmp_path, "--vllm.backend", "hf", "--reward.remote_url",
+                                    str(task.reward), "--ref.num_nodes", "2", "--ref.num_gpus_per_node", "1")]
+        flags[flags.index("--algo.kl.init_coef") + 1] = "0.01"
+        args = ["--backend", "ray", "--ray.address", cluster.address, "--run_dir", str(run), "--", "rollout",
+                "--backend", "hf", "--", "ppo", *flags]
+        proc = helpers.launch(args, env=helpers.child_env(TREADLE_LOG_JSON="1", RAY_TMPDIR=str(ray_tmp)))
+        text = helpers.finish(proc, 600)
+        assert proc.returncode == 0, text[-6000:]
+        record = helpers.run_json(run)
+        comps = record["components"]
+        head = nodes[0].node_id
+        assert comps["reference"]["node_id"] == comps["trainer"]["node_id"] == head
+        cmd = comps["reference"]["cmd"]
+        assert cmd[cmd.index("--engine_placement") + 1] == "ray" and cmd[cmd.index("--engines") + 1] == "2"
+        placed = dict(re.findall(r"engine (e\d+): worker \d+ on Ray node (\w+)", (run / "reference.log").read_text()))
+        assert sorted(placed.values()) == sorted(n.node_id for n in nodes[1:]), (placed, head)
+    rows = [json.loads(line) for line in (tmp_path / "ckpt" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2] and abs(rows[0]["kl"]) < 1e-6, rows
