@@ -687,6 +687,12 @@ def test_a_reference_given_gpus_of_its_own_is_a_reference_daemon_on_them():
                            (["--ref.num_gpus_per_node", "2", "--train.colocate_actor_ref"], "runs in the trainer's ranks")):
         with pytest.raises(ConfigError, match=message):
             plan_of(*base, *extra)
+    own = plan_of("--", "rollout", "--", "reference", "--engines", "2", "--", "ppo", *PPO, "--reward.remote_url", "math",
+                  "--algo.kl.init_coef", "0.01", "--ref.model_name_or_path", "R")  # a section of the user's own
+    assert flag_value(own.daemon("reference").args[1:], "--model") == "R" and own.trainer_cfg.ref.remote_url
+    with pytest.raises(ConfigError, match="the reference daemon serves one model"):
+        plan_of("--", "rollout", "--", "reference", "--model", "S", "--", "ppo", *PPO, "--reward.remote_url", "math",
+                "--algo.kl.init_coef", "0.01", "--ref.model_name_or_path", "R")
     with pytest.raises(ConfigError, match="spreads the reference's engines over Ray nodes: use --backend ray"):
         plan_of("--trainer.ranks", "2", "--", "rollout", "--", "ppo", *PPO, "--reward.remote_url", "math",
                 "--algo.kl.init_coef", "0.01", "--ref.num_nodes", "2", "--ref.num_gpus_per_node", "1")

@@ -482,7 +482,9 @@ def place_reference(cfg: LaunchConfig) -> LaunchConfig:
     ``--ref.offload`` (CPU memory in the ranks) cannot go with it. Anything else is returned unchanged.
     """
     t = cfg.trainer
-    if t.command != "ppo" or cfg.reference.args is not None or not given_names(t.args) & set(REF_PLACEMENT):
+    if t.command == "ppo" and cfg.reference.args is not None:
+        return _reference_model_to_section(cfg)
+    if t.command != "ppo" or not given_names(t.args) & set(REF_PLACEMENT):
         return cfg
     stripped = without_flags(t.args, REF_PLACEMENT)
     ppo = trainer_config(dataclasses.replace(cfg, trainer=dataclasses.replace(t, args=tuple(stripped))))
@@ -511,6 +513,24 @@ def place_reference(cfg: LaunchConfig) -> LaunchConfig:
     reference = ReferenceLaunch(args=args, num_gpus=per_node if gpus and nodes == 1 else 0,
                                 num_cpus=cfg.reference.num_cpus, node_labels=cfg.reference.node_labels)
     return dataclasses.replace(cfg, reference=reference, trainer=dataclasses.replace(t, args=tuple(trainer)))
+
+
+def _reference_model_to_section(cfg: LaunchConfig) -> LaunchConfig:
+    """A ``-- reference`` section of the user's own: ``-- ppo --ref.model_name_or_path R`` names the
+    model the daemon serves (its ``--model``), so the trainer, which then scores through it, does not
+    get it; both given and different is refused."""
+    t = cfg.trainer
+    model = flag_value(t.args, "--ref.model_name_or_path")
+    if model is None:
+        return cfg
+    served = flag_value(cfg.reference.args or (), "--model")
+    if served is not None and served != model:
+        raise ConfigError(f"`-- ppo --ref.model_name_or_path {model}` but `-- reference --model {served}`: the "
+                          "reference daemon serves one model; give it once")
+    args = tuple(cfg.reference.args or ()) if served else ("--model", model, *(cfg.reference.args or ()))
+    trainer = without_flags(t.args, ("--ref.model_name_or_path",))
+    return dataclasses.replace(cfg, reference=dataclasses.replace(cfg.reference, args=args),
+                               trainer=dataclasses.replace(t, args=tuple(trainer)))
 
 
 def make_plan(cfg: LaunchConfig) -> Plan:
