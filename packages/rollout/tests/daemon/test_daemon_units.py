@@ -192,6 +192,17 @@ def test_colocated_ray_engines_name_a_bundle_and_gpus_each():
         own_group(cpu.ray)
 
 
+def test_admission_is_sized_from_the_pool_unless_given():
+    """96 vLLM engines of 256 sequences run 24,576 at once: admission is twice that, not a fixed
+    8192 that held them at a third; a small pool keeps 8192; a given limit stands."""
+    big = parse(ServeConfig, ["--model", "m", "--engines", "96"])
+    assert big.admission_limit == 2 * 96 * 256
+    assert parse(ServeConfig, ["--model", "m", "--engines", "2", "--backend", "hf"]).admission_limit == 8192
+    assert parse(ServeConfig, ["--model", "m", "--engines", "96", "--max_in_flight_samples", "10"]).admission_limit == 10
+    with pytest.raises(ConfigError, match="--max_in_flight_samples must be >= 1"):
+        parse(ServeConfig, ["--model", "m", "--max_in_flight_samples", "0"])
+
+
 def test_open_metrics_need_the_explicit_flag():
     cfg = parse(ServeConfig, ["--model", "m", "--metrics_port", "9", "--metrics_host", "0.0.0.0", "--metrics_open"])
     assert (cfg.metrics_host, cfg.metrics_open) == ("0.0.0.0", True)

@@ -20,6 +20,8 @@ from treadle.common.rpc.transport import is_loopback
 
 Backend = Literal["vllm", "hf"]
 DEFAULT_ENDPOINT = "tcp://127.0.0.1:5570"
+MIN_ADMISSION = 8192
+"""The least ``ServeConfig.admission_limit`` sizes admission to (samples in flight)."""
 
 
 def require_curve(endpoint: str, curve_dir: str, role: str) -> None:
@@ -167,8 +169,10 @@ class ServeConfig:
     """Address of the metrics endpoint; anything but loopback needs --metrics_open."""
     metrics_open: bool = False
     """Allow a non-loopback --metrics_host: the read-only metrics endpoint has no token."""
-    max_in_flight_samples: int = 8192
-    """Samples admitted at once (all engines); beyond it generate answers Busy."""
+    max_in_flight_samples: int | None = None
+    """Samples admitted at once (all engines); beyond it generate answers Busy. None: sized from the
+    pool at start, twice what its engines run at once (--engine.max_num_seqs for vllm,
+    --engine.max_batch_samples for hf, x --engines), and at least 8192 (``admission_limit``)."""
     health_interval_s: float = 5.0
     """Seconds between health checks of each engine."""
     health_timeout_s: float = 60.0
@@ -207,9 +211,11 @@ class ServeConfig:
     def __post_init__(self) -> None:
         if not self.model:
             raise ConfigError("--model is required: the HF model folder to serve")
-        for name in ("engines", "tensor_parallel_size", "pipeline_parallel_size", "max_in_flight_samples"):
+        for name in ("engines", "tensor_parallel_size", "pipeline_parallel_size"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_in_flight_samples is not None and self.max_in_flight_samples < 1:
+            raise ConfigError(f"--max_in_flight_samples must be >= 1, got {self.max_in_flight_samples}")
         if self.metrics_port is not None and not self.metrics_open and not _loopback(self.metrics_host):
             raise ConfigError(f"--metrics_host {self.metrics_host} is not loopback and the metrics endpoint has "
                               "no token: pass --metrics_open to serve it there anyway, or keep 127.0.0.1 and "
@@ -244,6 +250,16 @@ class ServeConfig:
                                   "(--tensor_parallel_size x --pipeline_parallel_size), one per worker")
         elif self.ray != RayEngineOptions():
             raise ConfigError("--ray.* flags place engines on a Ray cluster: give --engine_placement ray")
+
+    @property
+    def admission_limit(self) -> int:
+        """Samples the daemon admits at once: ``--max_in_flight_samples``, or, unset, twice what the
+        engines run at once (one batch running, one waiting on each) and at least 8192. A fixed 8192
+        held 96 vLLM engines of 256 sequences at a third of what they run (docs/scaling.md)."""
+        if self.max_in_flight_samples is not None:
+            return self.max_in_flight_samples
+        per_engine = self.engine.max_num_seqs if self.backend == "vllm" else self.engine.max_batch_samples
+        return max(MIN_ADMISSION, 2 * self.engines * per_engine)
 
     @property
     def ranks_per_engine(self) -> int:

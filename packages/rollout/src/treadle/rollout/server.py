@@ -93,7 +93,7 @@ class RolloutServer:
         """Bind (health answers "starting" meanwhile), start every engine, serve metrics."""
         curve = load_server_keys(self.cfg.curve_dir) if self.cfg.curve_dir else None
         self.rpc = RpcServer(name="rollout", endpoint=self.cfg.endpoint, handlers=self.handlers(),
-                             max_in_flight=self.cfg.max_in_flight_samples + CONTROL_HEADROOM, curve=curve)
+                             max_in_flight=self.cfg.admission_limit + CONTROL_HEADROOM, curve=curve)
         endpoint = await self.rpc.start()
         try:
             await self.pool.start()
@@ -127,7 +127,7 @@ class RolloutServer:
     async def generate(self, msg: Any, ctx: Any) -> AsyncIterator[GenerateResult]:
         req = _expect(msg, GenerateRequest)
         n = req.sampling.n
-        limit = self.cfg.max_in_flight_samples
+        limit = self.cfg.admission_limit
         if n > limit:
             raise BadRequest(f"n={n} samples exceed the daemon's --max_in_flight_samples {limit}")
         if self.in_flight + n > limit:
@@ -226,7 +226,7 @@ class RolloutServer:
     async def stats(self, msg: Any, ctx: Any) -> Control:
         s = self.pool.stats()
         s.update(in_flight=self.in_flight, queue_depth=max(0, self.in_flight - s["running"]),
-                 max_in_flight_samples=self.cfg.max_in_flight_samples,
+                 max_in_flight_samples=self.cfg.admission_limit,
                  metrics_url=f"http://{self.metrics_address[0]}:{self.metrics_address[1]}/metrics"
                  if self.metrics_address else "")
         if self.rpc is not None:
