@@ -29,12 +29,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tools"))
 
-REWARD = '''
-def reward_func(queries, prompts, labels):
-    out = [sum(c.isdigit() for c in q) / max(1, len(q)) for q in queries]
-    return {"rewards": out, "scores": out}
-'''
-
 
 def one(where: str, model: Path, data: Path, reward: Path, work: Path, a: argparse.Namespace) -> dict:
     ckpt = work / f"ckpt_{where}"
@@ -71,16 +65,11 @@ def main() -> int:
     p.add_argument("--timeout-s", type=float, default=900.0)
     p.add_argument("--json", default="")
     a = p.parse_args()
-    from tiny_model import build  # noqa: PLC0415
+    from digit_task import digit_task  # noqa: PLC0415
 
     with tempfile.TemporaryDirectory(prefix="treadle_bench_ref_") as tmp:
         work = Path(tmp)
-        model = build("tiny", work / "tiny", seed=0).out
-        data = work / "prompts.jsonl"
-        data.write_text("".join(json.dumps({"prompt": f"numbers for item {i}:", "label": str(i % 10)}) + "\n"
-                                for i in range(a.prompts * a.steps)))
-        reward = work / "reward.py"
-        reward.write_text(REWARD)
+        model, data, reward = digit_task(work, a.prompts * a.steps)
         rows = []
         for r in range(a.repeats):
             for where in ("ranks", "daemon"):

@@ -34,12 +34,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tools"))
 
-REWARD = '''
-def reward_func(queries, prompts, labels):
-    out = [sum(c.isdigit() for c in q) / max(1, len(q)) for q in queries]
-    return {"rewards": out, "scores": out}
-'''
-
 
 def lines(path: Path) -> int:
     try:
@@ -105,16 +99,11 @@ def main() -> int:
     p.add_argument("--timeout-s", type=float, default=600.0)
     p.add_argument("--json", default="")
     a = p.parse_args()
-    from tiny_model import build  # noqa: PLC0415
+    from digit_task import digit_task  # noqa: PLC0415
 
     with tempfile.TemporaryDirectory(prefix="treadle_bench_restart_") as tmp:
         work = Path(tmp)
-        model = build("tiny", work / "tiny", seed=0).out
-        data = work / "prompts.jsonl"
-        data.write_text("".join(json.dumps({"prompt": f"numbers for item {i}:", "label": str(i % 10)}) + "\n"
-                                for i in range(32)))
-        reward = work / "reward.py"
-        reward.write_text(REWARD)
+        model, data, reward = digit_task(work, 32)
         rows = []
         for r in range(a.repeats):
             for kill in ("trainer", "rollout"):

@@ -207,72 +207,67 @@ def _check(cls: type, args: Sequence[str], where: str) -> Any:
 # components
 
 
-def rollout_flags_from(ppo: Any) -> list[str]:
-    """``treadle-rollout serve`` flags for a ppo run's engines, as the trainer's own daemon gets them."""
-    from treadle.trainer.daemon import daemon_spec, serve_args  # noqa: PLC0415  (no torch)
+def _serve_flags(spec: Any) -> list[str]:
+    """``treadle-rollout serve`` flags of a ``DaemonSpec`` but its endpoint (the launcher picks it)."""
+    from treadle.trainer.daemon import serve_args  # noqa: PLC0415  (no torch)
 
-    spec = daemon_spec(ppo)
     items = flag_items(serve_args(spec, _PLACEHOLDER))
     return [t for flag, values in items if flag != "--endpoint" for t in (flag, *values)]
 
 
-def rollout_plan(cfg: LaunchConfig, ppo: Any) -> DaemonPlan:
-    from treadle.rollout.config import ServeConfig  # noqa: PLC0415
+def rollout_flags_from(ppo: Any) -> list[str]:
+    """``treadle-rollout serve`` flags for a ppo run's engines, as the trainer's own daemon gets them."""
+    from treadle.trainer.daemon import daemon_spec  # noqa: PLC0415  (no torch)
 
-    user = cfg.rollout.args or ()
-    args = merge(rollout_flags_from(ppo) if ppo is not None else [], user)
-    endpoint = flag_value(user, "--endpoint")
-    checked = _check(ServeConfig, [*args, *(() if endpoint else ("--endpoint", _PLACEHOLDER))], "rollout")
-    if endpoint:
-        _fixed_port("--endpoint", endpoint, "rollout")
-    gpus = cfg.rollout.num_gpus
-    ray_engines = checked.engine_placement == "ray"
-    if gpus and ray_engines:
-        raise ConfigError(f"--rollout.num_gpus {gpus} with `-- rollout --engine_placement ray`: each engine reserves "
-                          "its own GPUs in a placement group of its own (--ray.num_gpus_per_rank); drop --rollout.num_gpus")
-    if gpus and gpus != checked.engines * checked.ranks_per_engine:
-        raise ConfigError(f"--rollout.num_gpus {gpus}: the rollout daemon runs {checked.engines} engines x "
-                          f"{checked.ranks_per_engine} GPUs (--engines x --tensor_parallel_size x --pipeline_parallel_size)")
-    return DaemonPlan(name="rollout", args=("serve", *args), port_flags=() if endpoint else ("--endpoint",),
-                      given=Addresses(rollout=endpoint), num_gpus=gpus, num_cpus=cfg.rollout.num_cpus,
-                      ray_engines=ray_engines, engines=checked.engines, ranks_per_engine=checked.ranks_per_engine)
+    return _serve_flags(daemon_spec(ppo))
 
 
 def reference_flags_from(ppo: Any) -> list[str]:
     """``treadle-rollout serve`` flags for the daemon scoring a ppo run's reference: the actor's
     starting weights (``--model`` of a ``-- reference`` section names another), the hf backend (it
     scores at the sampling temperature), the trainer's dtype and length."""
-    from treadle.trainer.daemon import daemon_spec, serve_args  # noqa: PLC0415  (no torch)
+    from treadle.trainer.daemon import daemon_spec  # noqa: PLC0415  (no torch)
 
-    spec = dataclasses.replace(daemon_spec(ppo), engines=1, backend="hf", enable_sleep=False, max_lora_rank=0)
-    items = flag_items(serve_args(spec, _PLACEHOLDER))
-    return [t for flag, values in items if flag != "--endpoint" for t in (flag, *values)]
+    return _serve_flags(dataclasses.replace(daemon_spec(ppo), engines=1, backend="hf", enable_sleep=False,
+                                            max_lora_rank=0))
+
+
+def _serve_plan(name: str, derived: list[str], launch: Any) -> tuple[DaemonPlan, Any]:
+    """The plan of a ``treadle-rollout serve`` daemon (``rollout`` or ``reference``): ``derived``
+    flags under the section's own, checked with the daemon's config; and that config."""
+    from treadle.rollout.config import ServeConfig  # noqa: PLC0415
+
+    user = launch.args or ()
+    args = merge(derived, user)
+    endpoint = flag_value(user, "--endpoint")
+    checked = _check(ServeConfig, [*args, *(() if endpoint else ("--endpoint", _PLACEHOLDER))], name)
+    if endpoint:
+        _fixed_port("--endpoint", endpoint, name)
+    gpus = launch.num_gpus
+    ray_engines = checked.engine_placement == "ray"
+    if gpus and ray_engines:
+        raise ConfigError(f"--{name}.num_gpus {gpus} with `-- {name} --engine_placement ray`: each engine reserves "
+                          f"its own GPUs in a placement group of its own (--ray.num_gpus_per_rank); drop --{name}.num_gpus")
+    if gpus and gpus != checked.engines * checked.ranks_per_engine:
+        raise ConfigError(f"--{name}.num_gpus {gpus}: the {name} daemon runs {checked.engines} engines x "
+                          f"{checked.ranks_per_engine} GPUs (--engines x --tensor_parallel_size x --pipeline_parallel_size)")
+    plan = DaemonPlan(name=name, args=("serve", *args), port_flags=() if endpoint else ("--endpoint",),
+                      given=Addresses(**{name: endpoint}), num_gpus=gpus, num_cpus=launch.num_cpus,
+                      ray_engines=ray_engines, engines=checked.engines, ranks_per_engine=checked.ranks_per_engine)
+    return plan, checked
+
+
+def rollout_plan(cfg: LaunchConfig, ppo: Any) -> DaemonPlan:
+    return _serve_plan("rollout", rollout_flags_from(ppo) if ppo is not None else [], cfg.rollout)[0]
 
 
 def reference_plan(cfg: LaunchConfig, ppo: Any) -> DaemonPlan:
-    from treadle.rollout.config import ServeConfig  # noqa: PLC0415
-
-    user = cfg.reference.args or ()
-    args = merge(reference_flags_from(ppo) if ppo is not None else [], user)
-    endpoint = flag_value(user, "--endpoint")
-    checked = _check(ServeConfig, [*args, *(() if endpoint else ("--endpoint", _PLACEHOLDER))], "reference")
-    if endpoint:
-        _fixed_port("--endpoint", endpoint, "reference")
+    plan, checked = _serve_plan("reference", reference_flags_from(ppo) if ppo is not None else [], cfg.reference)
     if ppo is not None and checked.backend != "hf" and ppo.rollout.temperature != 1.0:
         raise ConfigError(f"`-- reference --backend {checked.backend}` scores prompts from raw logits, and the trainer "
                           f"samples at --rollout.temperature {ppo.rollout.temperature}: serve the reference with "
                           "--backend hf")
-    gpus = cfg.reference.num_gpus
-    if gpus and checked.engine_placement == "ray":
-        raise ConfigError(f"--reference.num_gpus {gpus} with `-- reference --engine_placement ray`: each engine reserves "
-                          "its own GPUs (--ray.num_gpus_per_rank); drop --reference.num_gpus")
-    if gpus and gpus != checked.engines * checked.ranks_per_engine:
-        raise ConfigError(f"--reference.num_gpus {gpus}: the reference daemon runs {checked.engines} engines x "
-                          f"{checked.ranks_per_engine} GPUs (--engines x --tensor_parallel_size)")
-    return DaemonPlan(name="reference", args=("serve", *args), port_flags=() if endpoint else ("--endpoint",),
-                      given=Addresses(reference=endpoint), num_gpus=gpus, num_cpus=cfg.reference.num_cpus,
-                      ray_engines=checked.engine_placement == "ray", engines=checked.engines,
-                      ranks_per_engine=checked.ranks_per_engine)
+    return plan
 
 
 def colocated_places(engines: int, ranks_per_engine: int, nodes: int, ranks_per_node: int) -> list[tuple[int, range]]:

@@ -361,12 +361,7 @@ class HfEngine(Engine):
     @torch.inference_mode()
     def _score(self, ids: np.ndarray, temperature: float = 1.0) -> np.ndarray:
         """float32 [P-1]: log p(ids[t] | ids[:t]) for t >= 1 at ``temperature``, from one forward pass."""
-        x = torch.as_tensor(np.asarray(ids, dtype=np.int64), device=self.device).unsqueeze(0)
-        logits = self.model(input_ids=x, use_cache=False).logits[0, :-1].float()
-        if temperature != 1.0:
-            logits = logits / temperature
-        lp = torch.log_softmax(logits, dim=-1).gather(1, x[0, 1:].unsqueeze(1)).squeeze(1)
-        return lp.cpu().numpy().astype(np.float32)
+        return self._score_rows([ids], [temperature])[0]
 
     async def _prompt_logprobs(self, ids: np.ndarray, temperature: float) -> np.ndarray:
         """Queued and scored with whatever else is queued, in one padded forward (``_drain_scores``):
@@ -401,18 +396,18 @@ class HfEngine(Engine):
 
     @torch.inference_mode()
     def _score_rows(self, rows: Sequence[np.ndarray], temperatures: Sequence[float]) -> list[np.ndarray]:
-        """``_score`` of several sequences in one right-padded forward (causal: padding after a
-        row changes none of its logits)."""
-        if len(rows) == 1:
-            return [self._score(rows[0], temperatures[0])]
+        """Each row's ``_score``, all in one right-padded forward (causal: padding after a row
+        changes none of its logits; a forward of rows of one length takes no mask)."""
         width = max(len(r) for r in rows)
         x = torch.zeros(len(rows), width, dtype=torch.long)
         mask = torch.zeros(len(rows), width, dtype=torch.long)
         for k, r in enumerate(rows):
             x[k, :len(r)] = torch.as_tensor(np.asarray(r, dtype=np.int64))
             mask[k, :len(r)] = 1
-        x, mask = x.to(self.device), mask.to(self.device)
-        logits = self.model(input_ids=x, attention_mask=mask, use_cache=False).logits
+        x = x.to(self.device)
+        padded = any(len(r) < width for r in rows)
+        logits = self.model(input_ids=x, attention_mask=mask.to(self.device) if padded else None,
+                            use_cache=False).logits
         out = []
         for k, (r, t) in enumerate(zip(rows, temperatures, strict=True)):
             row = logits[k, :len(r) - 1].float()
