@@ -53,6 +53,9 @@ ALLOWED: dict[tuple[str, str], str] = {
         "and the engine's CURVE server keys as z85 text (Ray's channels are the cluster's trust "
         "boundary, as for any Ray job), and samples and weights never ride on Ray: the engines talk "
         "to the daemon over the msgpack wire, CURVE-encrypted",
+    ("packages/trainer/src/treadle/trainer/trainers/critic.py", "checkpoint-load"):
+        "the critic server's DeepSpeed checkpoint: torch.load of files the run's critic wrote in the "
+        "run's --ckpt.path (a folder outside it is refused), at a path its authenticated trainer names",
     ("packages/trainer/src/treadle/trainer/checkpoint/checkpointer.py", "checkpoint-load"):
         "DeepSpeed's own checkpoint format: torch.load of files this run wrote under --ckpt.path on "
         "local disk, never bytes from a peer",

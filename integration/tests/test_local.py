@@ -163,3 +163,26 @@ def test_a_reference_given_devices_of_its_own_is_served_by_a_reference_daemon(ti
     assert "--ref.num_gpus_per_node" not in trainer
     rows = [json.loads(line) for line in (tmp_path / "ckpt" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2] and abs(rows[0]["kl"]) < 1e-6, rows
+
+
+def test_a_critic_given_devices_of_its_own_trains_in_a_critic_server(tiny, task, helpers, tmp_path):
+    """``--critic.num_gpus_per_node 2`` beside an actor of 1 rank (gae): the critic trains apart
+    (OpenRLHF's meaning), in a critic server of 2 ranks under torchrun that the launcher starts; the
+    trainer values and trains it through ``--critic.remote_url``, and keeps the counts (it checks
+    the server's world against them)."""
+    run = tmp_path / "run"
+    flags = helpers.ppo_flags(tiny, task, tmp_path, "--vllm.backend", "hf", "--reward.remote_url", str(task.reward),
+                              "--critic.num_gpus_per_node", "2")
+    values = {"--algo.advantage.estimator": "gae", "--train.micro_batch_size": "4"}
+    flags = [values.get(flags[i - 1], f) if i else f for i, f in enumerate(flags)]
+    proc = helpers.launch(["--run_dir", str(run), *ROLLOUT, "--", "ppo", *flags])
+    out = helpers.finish(proc, 400)
+    assert proc.returncode == 0, out[-6000:]
+    comps = helpers.run_json(run)["components"]
+    assert {n: c["exit_code"] for n, c in comps.items()} == {"rollout": 0, "critic": 0, "trainer": 0}
+    critic, trainer = comps["critic"]["cmd"], comps["trainer"]["cmd"]
+    assert critic[1:4] == ["-m", "treadle.trainer.cli", "critic"] and critic[critic.index("--ranks") + 1] == "2"
+    assert trainer[trainer.index("--critic.remote_url") + 1] == helpers.run_json(run)["addresses"]["critic"]
+    assert trainer[trainer.index("--critic.num_gpus_per_node") + 1] == "2"
+    rows = [json.loads(line) for line in (tmp_path / "ckpt" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2] and all(r["critic/loss"] > 0 for r in rows), rows

@@ -701,6 +701,65 @@ def test_a_reference_given_gpus_of_its_own_is_a_reference_daemon_on_them():
                 "--reward.remote_url", "math", "--algo.kl.init_coef", "0.01", "--rollout.temperature", "0.9")
 
 
+def test_a_critic_given_gpus_of_its_own_is_a_critic_server_on_them():
+    """``--critic.num_nodes 2 --critic.num_gpus_per_node 2`` beside an actor of 4 GPUs (gae): a critic
+    server of 2 parts, one bundle of 2 GPUs each, under torchrun meeting on the first part's node;
+    the trainer wired to it (``--critic.remote_url``, its keys off loopback) and keeping the counts.
+    On one node it starts its ranks itself (``--ranks``); counts equal to the actor's keep it in the
+    ranks; what cannot go apart is refused."""
+    from treadle.integration.ray_backend import start_critic
+
+    gae = [*PPO, "--reward.remote_url", "math", "--algo.advantage.estimator", "gae", "--rollout.n_samples_per_prompt", "1",
+           "--rollout.batch_size", "8"]
+    base = ["--backend", "ray", "--trainer.ranks", "4", "--trainer.num_gpus_per_rank", "1", "--rollout.num_gpus", "2",
+            "--", "rollout", "--", "ppo", *gae]
+    plan = plan_of(*base, "--critic.num_gpus_per_node", "2", "--critic.num_nodes", "2")
+    critic = plan.daemon("critic")
+    assert (critic.nodes, critic.ranks, critic.num_gpus, critic.parts) == (2, 2, 2, ("critic", "critic.1"))  # per node
+    bundles, index, _ = bundles_of(plan)
+    assert [bundles[index[p]] for p in critic.parts] == [{"CPU": 2.0, "GPU": 2.0}] * 2
+    assert plan.trainer_cfg.critic.remote_url is not None and plan.trainer_cfg.critic.num_nodes == 2
+    argv, addresses = bind(critic, IP, [7005], Addresses(), KEYS)
+    assert argv[-4:] == ["--endpoint", f"tcp://{IP}:7005", "--curve_dir", KEYS.curve_dir]
+    flags = trainer_argv(plan.cfg, Addresses(rollout=f"tcp://{IP}:7001", critic=addresses.critic), python="py",
+                         keys=KEYS, sync_host=IP)
+    flags = flags[flags.index("ppo") + 1:]
+    assert flag_value(flags, "--critic.remote_url") == f"tcp://{IP}:7005" and flag_value(flags, "--critic.curve_dir")
+
+    class Sup:
+        def __init__(self) -> None:
+            self.cmds = {}
+
+        def add(self, handle) -> None:
+            self.cmds[handle.name] = handle.cmd
+
+    class Actor:
+        class run_process:  # noqa: N801  (a Ray method's .remote)
+            @staticmethod
+            def remote(*args):
+                return None
+
+    sup = Sup()
+    where = {p: {"node_ip": f"10.0.0.{i + 1}", "ports": [7005, 29511] if not i else [], "pid": 1, "node_id": p}
+             for i, p in enumerate(critic.parts)}
+    start_critic(critic, sup, {p: Actor() for p in critic.parts}, where, Path("/run"), argv)
+    assert sup.cmds["critic.1"][:7] == ["-m", "torch.distributed.run", "--nnodes=2", "--node_rank=1",
+                                        "--master_addr=10.0.0.1", "--master_port=29511", "--nproc_per_node=2"]
+    one = plan_of(*base, "--critic.num_gpus_per_node", "2").daemon("critic")
+    assert one.command(["critic", "--ranks", "2"], python="py") == ["py", "-m", "treadle.trainer.cli", "critic", "--ranks", "2"]
+    assert flag_value(one.args[1:], "--ranks") == "2"
+    assert plan_of(*base, "--critic.num_gpus_per_node", "4").daemon("critic") is None  # the actor's: in the ranks
+    with pytest.raises(ConfigError, match="the critic runs in the trainer's ranks"):
+        plan_of(*base, "--critic.num_gpus_per_node", "2", "--train.colocate_critic_reward",
+                "--reward.model_name_or_path", "R", "--reward.remote_url", "None")
+    with pytest.raises(ConfigError, match="spreads the critic over Ray nodes: use --backend ray"):
+        plan_of("--trainer.ranks", "2", "--", "rollout", "--", "ppo", *gae, "--critic.num_nodes", "2")
+    with pytest.raises(ConfigError, match="this run has none"):
+        plan_of("--", "rollout", "--", "critic", "--", "ppo", *PPO, "--reward.remote_url", "math")
+    with pytest.raises(ConfigError, match="--critic.num_gpus_per_node = 2 ranks, but the critic server runs"):
+        plan_of("--", "rollout", "--", "critic", "--", "ppo", *gae, "--critic.num_gpus_per_node", "2")
+
+
 @pytest.mark.slow
 def test_a_reference_over_two_nodes_scores_through_ray_placed_engines(tiny, task, helpers, tmp_path):
     """``--ref.num_nodes 2 --ref.num_gpus_per_node 1`` beside an actor of one rank: the launcher's

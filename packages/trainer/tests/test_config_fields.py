@@ -43,7 +43,8 @@ ALLOWED: dict[str, str] = {
     "RLTrainConfig.colocate_actor_ref": "the reference runs in the trainer's ranks beside the actor (or in a "
                                         "daemon the user serves, --ref.remote_url); commands._check_placements "
                                         "refuses a placement of its own",
-    "RLTrainConfig.colocate_critic_reward": "the critic and the reward model always run in the trainer's ranks; "
+    "RLTrainConfig.colocate_critic_reward": "the critic and the reward model run in the trainer's ranks (unless "
+                                            "served apart: --critic.remote_url refuses the switch); "
                                             "commands._check_placements refuses placements of their own",
     "RMModelConfig.compute_fp32_loss_enable": "losses.rm computes the pairwise loss in fp32 always",
     # OpenRLHF's spellings of another field (read in config/ when set):
@@ -72,6 +73,7 @@ BASE = {  # the smallest valid command line of each command
     "ppo": ["--actor.model_name_or_path", "m", "--data.prompt_dataset", "p.jsonl", "--reward.remote_url", "r.py",
             "--algo.advantage.estimator", "group_norm", "--rollout.n_samples_per_prompt", "4",
             "--actor.num_gpus_per_node", "1", "--rollout.batch_size", "8", "--train.batch_size", "8"],
+    "critic": [],
 }
 
 
@@ -225,7 +227,7 @@ def test_dead_flags_are_refused(command: str, extra: list[str], message: str) ->
         parse_command(command, [*BASE[command], *extra])
 
 
-@pytest.mark.parametrize("command", list(COMMANDS))
+@pytest.mark.parametrize("command", [c for c in COMMANDS if c != "critic"])  # critic: a server, no model flags
 @pytest.mark.parametrize(("flag", "message"), [
     ("--data.image_key", "vision-language models are not supported"),
     ("--data.max_images_per_prompt", "vision-language models are not supported"),
@@ -265,7 +267,17 @@ PPO = BASE["ppo"]
     (["--algo.kl.init_coef", "0.01", "--ref.remote_url", "tcp://10.0.0.7:5571"], r"give the client keys with --ref\.curve_dir"),
     (["--algo.kl.init_coef", "0.01", "--ref.remote_url", "http://h:1"], r"a rollout daemon's ZeroMQ address"),
     (["--ref.curve_dir", "k"], r"--ref\.curve_dir are keys for --ref\.remote_url, which is not set"),
-    (["--critic.num_gpus_per_node", "8"], r"--critic\.num_gpus_per_node 8: the critic runs in the trainer's ranks"),
+    (["--critic.num_gpus_per_node", "8"], r"--critic\.num_gpus_per_node 8: the critic runs in the trainer's ranks"
+                                          r".*give --critic\.remote_url"),
+    # a critic trained apart by a critic server: only where there is a critic, not on the trainer's GPUs
+    (["--critic.remote_url", "tcp://127.0.0.1:5590"], r"--critic\.remote_url tcp://127\.0\.0\.1:5590: no critic is used "
+                                                      r"\(--algo\.advantage\.estimator group_norm"),
+    (["--algo.advantage.estimator", "gae", "--rollout.n_samples_per_prompt", "1", "--critic.remote_url",
+      "tcp://127.0.0.1:5590", "--train.colocate_all", "--vllm.num_engines", "1"],
+     r"--critic\.remote_url tcp://127\.0\.0\.1:5590 with --train\.colocate_all: the critic trains apart"),
+    (["--critic.remote_url", "tcp://10.0.0.7:5590"], r"give the client keys with --critic\.curve_dir"),
+    (["--critic.remote_url", "http://h:1"], r"a critic server's ZeroMQ address"),
+    (["--critic.curve_dir", "k"], r"--critic\.curve_dir are keys for --critic\.remote_url, which is not set"),
     # over-sampling beyond what the staleness bound lets a round be trained within
     (["--train.async_enable", "--rollout.vllm_generate_batch_size", "17"],
      r"--rollout\.vllm_generate_batch_size 17 > \(--train\.async_queue_size 1 \+ 1\) x --rollout\.batch_size 8"),

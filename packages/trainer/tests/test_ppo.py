@@ -13,16 +13,19 @@ the response, which a randomly initialised model already hits now and then, so G
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from treadle_testing import rollout_daemon
+from treadle_testing import free_port, rollout_daemon
 
 REWARD = '''
 import torch
@@ -119,6 +122,57 @@ def test_a_reference_served_apart_scores_the_sampled_tokens(tiny, task, daemon, 
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert abs(rows[0]["kl"]) < 1e-6 < rows[-1]["kl"], [r["kl"] for r in rows]  # fp32 rounding; then it moved
     assert "reference: scored by the daemon at --ref.remote_url" in proc.stdout + proc.stderr
+
+
+@contextlib.contextmanager
+def critic_server(helpers, nproc: int = 1) -> Iterator[str]:
+    """``treadle-train critic`` on a free loopback port (``nproc`` gloo ranks under torchrun), in its
+    own session; its endpoint (the trainer waits for it to answer). SIGTERM on exit."""
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    head = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc > 1 else []
+    proc = subprocess.Popen([sys.executable, *head, "-m", "treadle.trainer.cli", "critic", "--endpoint", endpoint],
+                            env=helpers.child_env(), cwd=helpers.root, start_new_session=True, stdin=subprocess.DEVNULL)
+    try:
+        yield endpoint
+        assert proc.poll() is None, f"the critic server exited with {proc.returncode}"
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+GAE = ["--algo.advantage.estimator", "gae", "--rollout.n_samples_per_prompt", "1", "--rollout.batch_size", "8",
+       "--train.batch_size", "8", "--train.micro_batch_size", "4", "--rollout.micro_batch_size", "8",
+       "--data.max_samples", "24", "--algo.kl.init_coef", "0.01"]
+
+
+def test_a_critic_trained_apart_gives_the_run_the_ranks_own_critic(tiny, task, daemon, helpers, tmp_path):
+    """``--critic.remote_url``: the critic values and trains in a critic server of its own (2 ranks,
+    ZeRO-3 over gloo), not in the trainer's rank. Same seed, same samples: the run's critic losses,
+    returns and rewards are those of the critic trained in the ranks, step for step. Then each run
+    resumes from its checkpoint for 3 more steps, the apart one on a new server, which takes the
+    critic's state from the trainer's checkpoint: still the same, step for step."""
+    def both(arm: str, *more: str) -> subprocess.CompletedProcess:
+        args = ppo_args(tiny, task, tmp_path / arm, daemon, *GAE, "--ckpt.save_steps", "1", *more)
+        if arm == "ranks":
+            return run_ppo(args, helpers)
+        with critic_server(helpers, nproc=2) as url:
+            return run_ppo([*args, "--critic.remote_url", url, "--critic.num_gpus_per_node", "2",
+                            "--critic.save_value_network"], helpers, TREADLE_LOG_LEVEL="INFO")
+
+    for arm in ("ranks", "apart"):
+        proc = both(arm)
+        both(arm, "--ckpt.load_enable", "--train.num_episodes", "2")
+    ranks, apart = metrics(tmp_path / "ranks"), metrics(tmp_path / "apart")
+    assert [r["step"] for r in apart] == [1, 2, 3, 4, 5, 6]
+    for key in ("critic/loss", "returns/mean", "reward/mean", "actor/policy_loss"):
+        assert [r.get(key) for r in apart] == pytest.approx([r.get(key) for r in ranks], rel=1e-5, abs=1e-7), key
+    assert "critic: trained apart by the server at --critic.remote_url" in proc.stderr
+    assert (tmp_path / "apart" / "ckpt" / "step_00000006" / "critic").is_dir()  # in the trainer's checkpoint
+    assert (tmp_path / "apart" / "model_critic" / "model.safetensors").is_file()  # exported by the server
 
 
 @pytest.mark.slow

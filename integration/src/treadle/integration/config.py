@@ -8,8 +8,9 @@ The command line has the launcher's own flags, then one section per component, e
         -- rewards --functions reward.py \\
         -- ppo --actor.model_name_or_path M --data.prompt_dataset p.jsonl ...
 
-A section starts that component: ``rollout`` (``treadle-rollout serve``), ``rewards``
-(``treadle-rewards serve``), ``agents`` (``treadle-agents serve``), and at most one trainer
+A section starts that component: ``rollout`` (``treadle-rollout serve``), ``reference`` (a
+rollout daemon scoring ppo's reference), ``critic`` (``treadle-train critic``, ppo's critic on
+ranks of its own), ``rewards`` (``treadle-rewards serve``), ``agents`` (``treadle-agents serve``), and at most one trainer
 section named after its ``treadle-train`` command (``ppo``, ``sft``, ``rm``, ``dpo``, ``kto``).
 An empty section (``-- rollout``) starts the component with the flags the launcher derives.
 In a ``--config`` YAML file the sections are lists: ``rollout: {args: [--backend, hf]}`` and
@@ -34,7 +35,7 @@ from treadle.common.config import ConfigError, configclass, label_selector, pars
 Backend = Literal["local", "ray"]
 TrainerCommand = Literal["ppo", "sft", "rm", "dpo", "kto"]
 TRAINER_COMMANDS: tuple[str, ...] = ("ppo", "sft", "rm", "dpo", "kto")
-DAEMONS: tuple[str, ...] = ("rollout", "reference", "rewards", "agents")
+DAEMONS: tuple[str, ...] = ("rollout", "reference", "critic", "rewards", "agents")
 SECTIONS: tuple[str, ...] = DAEMONS + TRAINER_COMMANDS
 
 
@@ -83,6 +84,35 @@ class ReferenceLaunch:
     def __post_init__(self) -> None:
         _check_resources(self.num_cpus, self.num_gpus)
         label_selector(self.node_labels)
+
+
+@configclass
+class CriticLaunch:
+    """A critic server training ppo's critic on devices of its own (``treadle-train critic``; made by
+    the launcher from ``--critic.num_gpus_per_node`` / ``--critic.num_nodes`` unlike the actor's):
+    ``ranks`` processes per node under torchrun, on ``nodes`` nodes (ray), one DeepSpeed world."""
+
+    args: tuple[str, ...] | None = None
+    """Its flags (the ``-- critic ...`` section: ``--endpoint``, ``--curve_dir``); None: the critic (if
+    any) trains in the trainer's ranks."""
+    ranks: int = 1
+    """Critic processes per node (torchrun --nproc_per_node when > 1)."""
+    nodes: int = 1
+    """ray: nodes the critic spans, ``ranks`` on each (one torchrun per node)."""
+    num_gpus_per_rank: int = 0
+    """ray: GPUs per rank (0 or 1); 0: CPU ranks."""
+    num_cpus_per_rank: float = 1.0
+    """ray: CPUs reserved per rank."""
+    node_labels: tuple[str, ...] = ()
+    """ray: KEY=VALUE labels each critic node must have (`ray start --labels`); empty: any node."""
+
+    def __post_init__(self) -> None:
+        _check_resources(self.num_cpus_per_rank, self.num_gpus_per_rank)
+        label_selector(self.node_labels)
+        if self.ranks < 1 or self.nodes < 1:
+            raise ConfigError(f"--critic.ranks and --critic.nodes must be >= 1, got {self.ranks} and {self.nodes}")
+        if self.num_gpus_per_rank > 1:
+            raise ConfigError(f"--critic.num_gpus_per_rank must be 0 or 1 (one GPU per rank), got {self.num_gpus_per_rank}")
 
 
 @configclass
@@ -181,7 +211,7 @@ class LaunchConfig:
     """treadle-launch: start rollout, reward, agent daemons and the trainer together (Ray or local processes).
 
     Components come from sections after the launcher's flags: `-- rollout FLAGS`, `-- reference FLAGS`,
-    `-- rewards FLAGS`, `-- agents FLAGS`, `-- ppo FLAGS` (or sft, rm, dpo, kto), each with that command's
+    `-- critic FLAGS`, `-- rewards FLAGS`, `-- agents FLAGS`, `-- ppo FLAGS` (or sft, rm, dpo, kto), each with that command's
     own flags.
     """
 
@@ -191,6 +221,7 @@ class LaunchConfig:
     """Folder of every component's log and run.json; empty: <TREADLE_RUN_DIR>/launch-<UTC time>."""
     rollout: RolloutLaunch = RolloutLaunch()
     reference: ReferenceLaunch = ReferenceLaunch()
+    critic: CriticLaunch = CriticLaunch()
     rewards: RewardsLaunch = RewardsLaunch()
     agents: AgentsLaunch = AgentsLaunch()
     trainer: TrainerLaunch = TrainerLaunch()
@@ -223,13 +254,14 @@ class LaunchConfig:
             raise ConfigError("--trainer.args without --trainer.command: name the treadle-train command")
         if self.backend == "local":
             gpus = {"--rollout.num_gpus": self.rollout.num_gpus, "--reference.num_gpus": self.reference.num_gpus,
-                    "--rewards.num_gpus": self.rewards.num_gpus,
+                    "--rewards.num_gpus": self.rewards.num_gpus, "--critic.num_gpus_per_rank": self.critic.num_gpus_per_rank,
                     "--trainer.num_gpus_per_rank": self.trainer.num_gpus_per_rank}
             used = [k for k, v in gpus.items() if v]
-            if self.trainer.nodes > 1:
-                raise ConfigError(f"--trainer.nodes {self.trainer.nodes}: the local backend runs on this machine; "
-                                  "use --backend ray for a trainer across nodes")
-            labelled = [f"--{n}.node_labels" for n in ("rollout", "reference", "rewards", "agents", "trainer")
+            for part in ("trainer", "critic"):
+                if getattr(self, part).nodes > 1:
+                    raise ConfigError(f"--{part}.nodes {getattr(self, part).nodes}: the local backend runs on this "
+                                      f"machine; use --backend ray for a {part} across nodes")
+            labelled = [f"--{n}.node_labels" for n in ("rollout", "reference", "critic", "rewards", "agents", "trainer")
                         if getattr(self, n).node_labels]
             if labelled:
                 raise ConfigError(f"{', '.join(labelled)} place components on Ray nodes: use --backend ray")

@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import signal
 import subprocess
-import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -89,7 +88,7 @@ def start_daemons(plan: Plan, sup: Supervisor, run_dir: Path, environ: dict[str,
     for d in plan.daemons:
         argv, mine = bind(d, HOST, [next(ports) for _ in range(d.ports_needed)], addresses)
         addresses = merge_addresses(addresses, mine)
-        sup.add(LocalProcess(d.name, [sys.executable, "-m", d.module, *argv], run_dir / f"{d.name}.log", environ))
+        sup.add(LocalProcess(d.name, d.command(argv), run_dir / f"{d.name}.log", environ))
     sup.record.addresses(addresses)
     return addresses
 

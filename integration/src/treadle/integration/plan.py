@@ -37,10 +37,10 @@ from typing import Any
 from treadle.common.config import ConfigError, label_selector, parse
 from treadle.integration.config import LaunchConfig, flag_name
 
-MODULES = {"rollout": "treadle.rollout.cli", "reference": "treadle.rollout.cli", "rewards": "treadle.rewards.cli", "agents": "treadle.agents.cli",
-           "trainer": "treadle.trainer.cli"}
+MODULES = {"rollout": "treadle.rollout.cli", "reference": "treadle.rollout.cli", "critic": "treadle.trainer.cli",
+           "rewards": "treadle.rewards.cli", "agents": "treadle.agents.cli", "trainer": "treadle.trainer.cli"}
 """Component -> module whose ``main(argv)`` runs it (the same code as its console script)."""
-EXIT_CODES = {"trainer": 10, "rollout": 11, "rewards": 12, "agents": 13, "reference": 14}
+EXIT_CODES = {"trainer": 10, "rollout": 11, "rewards": 12, "agents": 13, "reference": 14, "critic": 15}
 """Launcher exit status when that component fails (exits non-zero, dies, or never gets ready)."""
 EXIT_INTERRUPTED = 130
 """Launcher exit status after Ctrl-C / SIGTERM."""
@@ -57,6 +57,8 @@ class Addresses:
     """The rollout daemon's ZeroMQ endpoint (tcp://host:port)."""
     reference: str | None = None
     """The reference daemon's ZeroMQ endpoint (a rollout daemon serving ppo's reference)."""
+    critic: str | None = None
+    """The critic server's ZeroMQ endpoint (``treadle-train critic``, ppo's critic apart)."""
     rewards: str | None = None
     """The reward daemon's ZeroMQ endpoint."""
     rewards_http: str | None = None
@@ -110,6 +112,10 @@ class DaemonPlan:
     """rollout: its engines (``--engines``)."""
     ranks_per_engine: int = 1
     """rollout: workers (GPUs) per engine (tensor x pipeline parallel)."""
+    ranks: int = 1
+    """critic: processes per node (under torchrun when the world has more than one)."""
+    nodes: int = 1
+    """critic: nodes (one part each: ``critic``, ``critic.1``, ...; ``parts``)."""
 
     @property
     def module(self) -> str:
@@ -118,6 +124,19 @@ class DaemonPlan:
     @property
     def ports_needed(self) -> int:
         return len(self.port_flags)
+
+    @property
+    def parts(self) -> tuple[str, ...]:
+        """Its per-node parts: the daemon itself, and for a critic over several nodes ``critic.1``, ..."""
+        return (self.name, *(f"{self.name}.{i}" for i in range(1, self.nodes)))
+
+    def command(self, argv: Sequence[str], python: str = sys.executable, *,
+                rendezvous: Rendezvous | None = None) -> list[str]:
+        """Its full command line on one node: ``python -m MODULE ARGV``; a critic over several
+        nodes under torchrun, joined at ``rendezvous`` (on one node it starts its ``--ranks`` itself,
+        and a SIGTERM stops it with status 0, where torchrun's own status would be 1)."""
+        head = torchrun_head(self.nodes, self.ranks, rendezvous) if self.nodes > 1 else []
+        return [python, *head, "-m", self.module, *argv]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -270,6 +289,34 @@ def reference_plan(cfg: LaunchConfig, ppo: Any) -> DaemonPlan:
     return plan
 
 
+def critic_plan(cfg: LaunchConfig, ppo: Any) -> DaemonPlan:
+    """The critic server's plan: ``treadle-train critic`` with the section's flags (its endpoint
+    the launcher's to pick), ``--critic.ranks`` per node on ``--critic.nodes``; ConfigError when the
+    ppo run has no critic, or its ``--critic.num_nodes`` x ``--critic.num_gpus_per_node`` differ."""
+    from treadle.trainer.config.critic import CriticServeConfig  # noqa: PLC0415  (no torch)
+    from treadle.trainer.models.remote_critic import expected_world  # noqa: PLC0415
+
+    c = cfg.critic
+    user = list(c.args or ())
+    endpoint = flag_value(user, "--endpoint")
+    _check(CriticServeConfig, [*user, *(() if endpoint else ("--endpoint", _PLACEHOLDER))], "critic")
+    if endpoint:
+        _fixed_port("--endpoint", endpoint, "critic")
+    if ppo is not None:
+        want = expected_world(ppo)
+        if want is not None and want != c.nodes * c.ranks:
+            raise ConfigError(f"`-- ppo` --critic.num_nodes x --critic.num_gpus_per_node = {want} ranks, but the critic "
+                              f"server runs --critic.nodes {c.nodes} x --critic.ranks {c.ranks}: give the same numbers")
+    if flag_value(user, "--ranks") is not None:
+        raise ConfigError("`-- critic` --ranks: the launcher starts the critic's ranks from --critic.ranks "
+                          "(and --critic.nodes); drop the flag")
+    if c.nodes == 1:
+        user += ["--ranks", str(c.ranks)]
+    return DaemonPlan(name="critic", args=("critic", *user), port_flags=() if endpoint else ("--endpoint",),
+                      given=Addresses(critic=endpoint), num_gpus=c.ranks * c.num_gpus_per_rank,
+                      num_cpus=c.ranks * c.num_cpus_per_rank, ranks=c.ranks, nodes=c.nodes)
+
+
 def colocated_places(engines: int, ranks_per_engine: int, nodes: int, ranks_per_node: int) -> list[tuple[int, range]]:
     """Where ``--train.colocate_all`` over ``nodes`` trainer nodes puts each engine: (the trainer
     bundle, i.e. node, it shares; the local ranks there whose GPUs its workers take), filling node
@@ -335,6 +382,8 @@ def _wired(cfg: LaunchConfig) -> dict[str, str]:
             wired["--reward.remote_url"] = "rewards"
         if cfg.reference.args is not None:
             wired["--ref.remote_url"] = "reference"
+        if cfg.critic.args is not None:
+            wired["--critic.remote_url"] = "critic"
     return wired
 
 
@@ -528,13 +577,61 @@ def _reference_model_to_section(cfg: LaunchConfig) -> LaunchConfig:
                                trainer=dataclasses.replace(t, args=tuple(trainer)))
 
 
+CRITIC_PLACEMENT = ("--critic.num_nodes", "--critic.num_gpus_per_node")
+"""ppo flags that, with a critic and without --train.colocate_critic_reward / --train.colocate_all,
+put the critic on devices of its own (OpenRLHF's meaning): the launcher starts a critic server."""
+
+
+def place_critic(cfg: LaunchConfig) -> LaunchConfig:
+    """``-- ppo`` with a critic (gae) and ``--critic.num_gpus_per_node G`` (or ``--critic.num_nodes
+    N``) other than the actor's, without ``--train.colocate_critic_reward`` / ``--train.colocate_all``
+    / ``--critic.remote_url``: the critic on devices of its own, as OpenRLHF places it. The launcher
+    starts a critic server of N x G ranks (``treadle-train critic``: G per node under torchrun, one
+    part per node on Ray, a GPU per rank on a GPU cluster) and wires the trainer to it
+    (``--critic.remote_url``); the trainer keeps the counts and checks the server's world against
+    them. Counts equal to the actor's keep the critic in the trainer's ranks, treadle's default (as
+    for the reference). A ``-- critic`` section of the user's own is taken as it is."""
+    t = cfg.trainer
+    if t.command == "ppo" and cfg.critic.args is not None:
+        from treadle.integration.config import CriticLaunch  # noqa: PLC0415
+
+        ppo = trainer_config(dataclasses.replace(cfg, critic=CriticLaunch(), trainer=dataclasses.replace(
+            t, args=tuple(without_flags(t.args, CRITIC_PLACEMENT)))))  # unwired: does the run have a critic?
+        if ppo.critic_origin is None:
+            raise ConfigError(f"`-- critic` trains ppo's critic, and this run has none (--algo.advantage.estimator "
+                              f"{ppo.algo.advantage.estimator}; only gae has one): drop the section")
+        return cfg
+    if t.command != "ppo" or not given_names(t.args) & set(CRITIC_PLACEMENT):
+        return cfg
+    ppo = trainer_config(dataclasses.replace(cfg, trainer=dataclasses.replace(
+        t, args=tuple(without_flags(t.args, CRITIC_PLACEMENT)))))
+    counts = {f: flag_value(t.args, f) for f in CRITIC_PLACEMENT}
+    actor = {"--critic.num_nodes": str(ppo.actor.num_nodes), "--critic.num_gpus_per_node": str(ppo.actor.num_gpus_per_node)}
+    same = all(v is None or v == actor[f] for f, v in counts.items())
+    shared = ppo.train.colocate_all or ppo.train.colocate_critic_reward
+    if same or shared or ppo.critic_origin is None or ppo.critic.remote_url:
+        return cfg  # in the trainer's ranks (or none): the trainer's own check of the counts applies
+    try:
+        nodes, per_node = (int(counts[f] or actor[f]) for f in CRITIC_PLACEMENT)
+    except ValueError:
+        raise ConfigError(f"`-- ppo` {', '.join(f'{f} {v}' for f, v in counts.items() if v)}: counts") from None
+    if nodes > 1 and cfg.backend != "ray":
+        raise ConfigError(f"--critic.num_nodes {nodes} spreads the critic over Ray nodes: use --backend ray "
+                          "(or --critic.num_nodes 1)")
+    from treadle.integration.config import CriticLaunch  # noqa: PLC0415
+
+    critic = CriticLaunch(args=(), ranks=per_node, nodes=nodes, num_gpus_per_rank=t.num_gpus_per_rank,
+                          num_cpus_per_rank=t.num_cpus_per_rank, node_labels=cfg.critic.node_labels)
+    return dataclasses.replace(cfg, critic=critic)
+
+
 def make_plan(cfg: LaunchConfig) -> Plan:
     """Check every section and derive each daemon's flags (raises ConfigError naming the section)."""
-    cfg = place_reference(place_reward_model(cfg))
+    cfg = place_critic(place_reference(place_reward_model(cfg)))
     tcfg = trainer_config(cfg)
     ppo = tcfg if cfg.trainer.command == "ppo" else None
     builders = {"rollout": lambda: rollout_plan(cfg, ppo), "reference": lambda: reference_plan(cfg, ppo),
-                "rewards": lambda: rewards_plan(cfg),
+                "critic": lambda: critic_plan(cfg, ppo), "rewards": lambda: rewards_plan(cfg),
                 "agents": lambda: agents_plan(cfg, ppo)}
     daemons = tuple(builders[name]() for name in cfg.daemons)
     colocate = bool(ppo is not None and ppo.train.colocate_all)
@@ -572,8 +669,8 @@ def bundles_of(plan: Plan) -> tuple[list[dict[str, float]], dict[str, int], dict
 
     Trainer: one bundle per node it spans (``trainer_groups``), each ranks x (CPUs, GPUs) per
     rank: a Ray actor holds one bundle, and the torchrun in it needs its node's ranks beside it.
-    Each daemon: a bundle of its own, except a colocated rollout daemon, which adds its CPUs to
-    the (first) trainer bundle and takes no GPU.
+    Each daemon: a bundle of its own (a critic over several nodes: one per node, ``DaemonPlan.parts``),
+    except a colocated rollout daemon, which adds its CPUs to the (first) trainer bundle and takes no GPU.
     """
     cfg = plan.cfg
     bundles: list[dict[str, float]] = []
@@ -595,9 +692,10 @@ def bundles_of(plan: Plan) -> tuple[list[dict[str, float]], dict[str, int], dict
             index["rollout"] = index["trainer"]
             bundles[index["trainer"]]["CPU"] += d.num_cpus
             continue
-        need[d.name] = {"CPU": d.num_cpus, "GPU": float(d.num_gpus)}
-        index[d.name] = len(bundles)
-        bundles.append(dict(need[d.name]))
+        for part in d.parts:  # one bundle per node it spans (a critic over several nodes)
+            need[part] = {"CPU": d.num_cpus, "GPU": float(d.num_gpus)}
+            index[part] = len(bundles)
+            bundles.append(dict(need[part]))
     return [{k: v for k, v in b.items() if v} for b in bundles], index, need
 
 
@@ -610,7 +708,7 @@ def selectors_of(plan: Plan) -> list[dict[str, str]]:
     _, index, _ = bundles_of(plan)
     out: list[dict[str, str]] = [{} for _ in range(max(index.values(), default=-1) + 1)]
     for name, i in index.items():
-        section = "trainer" if name.startswith("trainer") else name
+        section = name.split(".")[0]  # trainer.1, critic.1: their section's labels
         mine = label_selector(getattr(plan.cfg, section).node_labels)
         if mine and out[i] and mine != out[i]:
             raise ConfigError(f"--train.colocate_all: --{section}.node_labels {mine} differ from the trainer's "
@@ -644,7 +742,7 @@ def bind(daemon: DaemonPlan, host: str, ports: Sequence[int], wired: Addresses,
     def secure(flag: str, value: str) -> list[str]:
         return [flag, value] if off and flag not in given else []
 
-    if daemon.name in ("rollout", "reference"):
+    if daemon.name in ("rollout", "reference", "critic"):
         if "--endpoint" in filled:
             args += ["--endpoint", f"tcp://{host}:{filled['--endpoint']}"]
             args += secure("--curve_dir", keys.curve_dir if keys else "")
@@ -685,6 +783,20 @@ class Rendezvous:
     master_port: int
 
 
+def torchrun_head(nodes: int, ranks: int, rendezvous: Rendezvous | None) -> list[str]:
+    """What runs a command in ``ranks`` processes on each of ``nodes`` nodes: nothing for one, else
+    torchrun, ``--standalone`` on one node or joined at ``rendezvous`` (node rank, node 0's address)."""
+    if nodes > 1:
+        if rendezvous is None:
+            raise ValueError(f"{nodes} nodes: each node's command needs its rendezvous")
+        return ["-m", "torch.distributed.run", f"--nnodes={nodes}", f"--node_rank={rendezvous.node_rank}",
+                f"--master_addr={rendezvous.master_addr}", f"--master_port={rendezvous.master_port}",
+                f"--nproc_per_node={ranks}"]
+    if ranks > 1:
+        return ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
+    return []
+
+
 def trainer_argv(cfg: LaunchConfig, addresses: Addresses, python: str = sys.executable, *,
                  rendezvous: Rendezvous | None = None, keys: Keys | None = None,
                  sync_host: str | None = None) -> list[str]:
@@ -707,18 +819,11 @@ def trainer_argv(cfg: LaunchConfig, addresses: Addresses, python: str = sys.exec
                  and _off_loopback(addresses.reference) else None,
                  "--reward.curve_dir": keys.curve_dir if keys and "--reward.remote_url" in _wired(cfg)
                  and _off_loopback(addresses.rewards) else None,
+                 "--critic.curve_dir": keys.curve_dir if keys and "--critic.remote_url" in _wired(cfg)
+                 and _off_loopback(addresses.critic) else None,
                  "--vllm.sync_host": sync_host if rollout_off else None}
         args += [tok for flag, value in extra.items() if value and flag not in given for tok in (flag, value)]
-    head = [python]
-    if t.nodes > 1:
-        if rendezvous is None:
-            raise ValueError(f"--trainer.nodes {t.nodes}: each node's command needs its rendezvous")
-        head += ["-m", "torch.distributed.run", f"--nnodes={t.nodes}", f"--node_rank={rendezvous.node_rank}",
-                 f"--master_addr={rendezvous.master_addr}", f"--master_port={rendezvous.master_port}",
-                 f"--nproc_per_node={t.ranks}"]
-    elif t.ranks > 1:
-        head += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={t.ranks}"]
-    return [*head, "-m", MODULES["trainer"], t.command, *args]
+    return [python, *torchrun_head(t.nodes, t.ranks, rendezvous), "-m", MODULES["trainer"], t.command, *args]
 
 
 def merge_addresses(*parts: Addresses) -> Addresses:

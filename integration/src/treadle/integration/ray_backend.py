@@ -78,6 +78,7 @@ from treadle.integration.plan import (
     EXIT_INTERRUPTED,
     EXIT_LAUNCH_ERROR,
     Addresses,
+    DaemonPlan,
     Keys,
     Plan,
     Rendezvous,
@@ -340,7 +341,7 @@ def place(plan: Plan, stop: threading.Event) -> tuple[Any, dict[str, Any], dict[
                               f"{plan.cfg.ray.placement_timeout_s:g} s (--ray.placement_timeout_s); free now: "
                               f"{ray.available_resources()}; nodes' labels: "
                               f"{[n.get('Labels', {}) for n in ray.nodes() if n.get('Alive')]}")
-    ports = {d.name: d.ports_needed for d in plan.daemons}
+    ports = {d.name: d.ports_needed + (d.nodes > 1) for d in plan.daemons}  # + a critic's rendezvous
     actors, where = new_actors(plan, pg, list(index), ports)
     return pg, actors, where
 
@@ -418,7 +419,11 @@ def start_daemons(plan: Plan, sup: Supervisor, actors: dict[str, Any], where: di
     """Start every daemon bound to its node's address (rollout first: the gateway is wired to it)."""
     addresses = Addresses()
     for d in plan.daemons:
-        argv, mine = bind(d, where[d.name]["node_ip"], where[d.name]["ports"], addresses, keys)
+        argv, mine = bind(d, where[d.name]["node_ip"], where[d.name]["ports"][:d.ports_needed], addresses, keys)
+        if d.name == "critic":  # a process group: each node's part a subprocess, as the trainer's
+            addresses = merge_addresses(addresses, mine)
+            start_critic(d, sup, actors, where, run_dir, argv)
+            continue
         if d.name == "rollout":
             argv += rollout_placement_flags(plan, where)
         if d.name == "reference":
@@ -429,6 +434,20 @@ def start_daemons(plan: Plan, sup: Supervisor, actors: dict[str, Any], where: di
         sup.add(ActorHandle(d.name, actors[d.name], where[d.name], ref, log_path, [d.module, *argv]))
     sup.record.addresses(addresses)
     return addresses
+
+
+def start_critic(d: DaemonPlan, sup: Supervisor, actors: dict[str, Any], where: dict[str, dict[str, Any]],
+                 run_dir: Path, argv: list[str]) -> None:
+    """The critic server's parts, one per node (``critic`` is node rank 0: its rank 0 binds the
+    endpoint and it hosts the rendezvous, on its last free port), as subprocesses of their actors."""
+    head = where[d.name]
+    for i, part in enumerate(d.parts):
+        rendezvous = Rendezvous(node_rank=i, master_addr=head["node_ip"], master_port=head["ports"][-1]) \
+            if d.nodes > 1 else None
+        cmd = d.command(argv, rendezvous=rendezvous)[1:]  # the actor runs its own python
+        log_path = run_dir / f"{part}.log"
+        ref = actors[part].run_process.remote(cmd, {}, str(log_path))
+        sup.add(ActorHandle(part, actors[part], where[part], ref, log_path, cmd))
 
 
 def start_trainer(plan: Plan, sup: Supervisor, actors: dict[str, Any], where: dict[str, dict[str, Any]],

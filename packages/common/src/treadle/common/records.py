@@ -457,6 +457,81 @@ class IpcWeights(WeightUpdate):
                              "for each GPU holding a copy)")
 
 
+class CriticSetup(Record):
+    """Trainer rank 0 -> a critic server (``treadle-train critic``): the run it serves.
+
+    The server reads everything else from ``config``, the trainer's own resolved flags, so one
+    command line (the trainer's) decides the critic's model, optimizer and batching."""
+
+    config: str
+    """The trainer's resolved ``PPOConfig`` as YAML (``dump_yaml``; secrets nulled)."""
+    total_opt_steps: int
+    """Optimizer steps of the whole run (the length of the learning-rate schedule)."""
+    pad_id: int
+    """The actor tokenizer's padding token."""
+
+    def __post_init__(self) -> None:
+        if self.total_opt_steps < 1:
+            raise ValueError(f"CriticSetup.total_opt_steps must be >= 1, got {self.total_opt_steps}")
+
+
+class CriticReady(Record):
+    """A critic server's answer to ``check`` / ``setup``."""
+
+    world: int
+    """The critic's ranks."""
+    model: str
+    """The folder its weights started from."""
+    trained_steps: int = 0
+    """RL steps trained since those weights (or the last checkpoint) were loaded; 0: fresh."""
+
+
+class CriticValuesRequest(Record):
+    """Trainer rank 0 -> critic: value every action token of these trajectories (one RL step's batch)."""
+
+    trajectories: list[Trajectory]
+    """The step's batch, in the trainer's order; the critic keeps it for the step's ``train``."""
+
+
+class CriticValues(Record):
+    """The critic's values: V(s) before each action token (loss mask 1), trajectory after trajectory."""
+
+    values: Array
+    """float32 [sum of the trajectories' action tokens]."""
+
+    def __post_init__(self) -> None:
+        _check_1d("CriticValues.values", self.values)
+
+
+class CriticTrainRequest(Record):
+    """Trainer rank 0 -> critic: the step's optimizer steps on the batch last valued, toward ``returns``."""
+
+    step: int
+    """The RL step (1-based): with ``--train.seed`` it fixes the order of the optimizer steps, as the actor's."""
+    uids: list[str]
+    """The batch's trajectory uids, in order: must be those of the last ``CriticValuesRequest``."""
+    returns: Array
+    """float32 [sum of action tokens]: each action token's return, in the order of ``CriticValues``."""
+
+    def __post_init__(self) -> None:
+        _check_1d("CriticTrainRequest.returns", self.returns)
+
+
+class CriticTrainResult(Record):
+    """The critic's step: its metrics (``critic/loss``, ``critic/lr``, ``critic/grad_norm``), step means."""
+
+    metrics: dict[str, float] = {}
+    """Metric name -> value."""
+
+
+class CriticCheckpoint(Record):
+    """Trainer rank 0 -> critic: ``save`` into / ``load`` from a checkpoint folder, or ``export`` in
+    HF format there; ``load`` of "" restores the starting weights."""
+
+    path: str
+    """An absolute path every critic rank can reach (the trainer's shared checkpoint folder)."""
+
+
 WEIGHT_UPDATES: dict[str, type[WeightUpdate]] = {
     cls.transport: cls for cls in (InlineWeights, CollectiveWeights, IpcWeights)}
 """Each transport's record, by transport name."""

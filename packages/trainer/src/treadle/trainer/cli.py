@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(command, e)
     if nproc:
         setup_logging()
-        return ranks.run_local_ranks(nproc, args)
+        return ranks.run_local_ranks(nproc, args, stopped_status=0 if command == "critic" else None)
     from treadle.trainer.strategy.deepspeed import shutdown_distributed  # noqa: PLC0415
 
     try:

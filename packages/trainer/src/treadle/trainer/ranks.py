@@ -27,8 +27,11 @@ from treadle.common.config import ConfigError
 
 
 def wanted_ranks(cfg: Any) -> int | None:
-    """Ranks the flags ask for (``--actor.num_nodes x --actor.num_gpus_per_node``), or None for
-    a command without placement flags (sft, rm, dpo, kto: as many as the launcher started)."""
+    """Ranks the flags ask for (``--actor.num_nodes x --actor.num_gpus_per_node``; the critic
+    server's ``--ranks``), or None for a command without placement flags (sft, rm, dpo, kto: as
+    many as the launcher started)."""
+    if hasattr(cfg, "ranks"):
+        return cfg.ranks
     actor = getattr(cfg, "actor", None)
     if actor is None or not hasattr(actor, "num_gpus_per_node"):
         return None
@@ -47,6 +50,8 @@ def launcher_world(cfg: Any) -> int | None:
 
 
 def _flags(cfg: Any) -> str:
+    if hasattr(cfg, "ranks"):
+        return f"--ranks {cfg.ranks}"
     a = cfg.actor
     return f"--actor.num_nodes {a.num_nodes} x --actor.num_gpus_per_node {a.num_gpus_per_node}"
 
@@ -66,7 +71,7 @@ def plan(cfg: Any) -> int:
                 f"--nproc_per_node, or treadle-launch --trainer.ranks): make them agree, or run without a launcher "
                 f"and treadle-train starts the {wanted} ranks itself")
         return 0
-    if cfg.actor.num_nodes > 1:
+    if getattr(cfg, "actor", None) is not None and cfg.actor.num_nodes > 1:
         raise ConfigError(
             f"{_flags(cfg)}: ranks on {cfg.actor.num_nodes} hosts need a launcher on each (torchrun --nnodes "
             f"{cfg.actor.num_nodes} --nproc_per_node {cfg.actor.num_gpus_per_node} --rdzv_endpoint HOST:PORT -m "
@@ -74,14 +79,17 @@ def plan(cfg: Any) -> int:
     if wanted == 1:
         return 0
     if torch.cuda.is_available() and torch.cuda.device_count() < wanted:
-        raise ConfigError(f"--actor.num_gpus_per_node {wanted}: one rank per GPU, but this host shows "
+        raise ConfigError(f"{_flags(cfg)}: one rank per GPU, but this host shows "
                           f"{torch.cuda.device_count()} (CUDA_VISIBLE_DEVICES)")
     return wanted
 
 
-def run_local_ranks(nproc: int, argv: list[str]) -> int:
+def run_local_ranks(nproc: int, argv: list[str], *, stopped_status: int | None = None) -> int:
     """``python -m treadle.trainer.cli ARGV`` in ``nproc`` local ranks, as ``torchrun --standalone
-    --nproc_per_node NPROC`` runs it; the exit status (a failed rank's, else 0)."""
+    --nproc_per_node NPROC`` runs it; the exit status (a failed rank's, else 0). A SIGTERM / SIGINT
+    here stops every rank; then ``stopped_status`` is the status (a server stopped on request),
+    or, when None, the signal is raised on (torchrun's own exit 1)."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException  # noqa: PLC0415
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError  # noqa: PLC0415
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch  # noqa: PLC0415
 
@@ -92,4 +100,8 @@ def run_local_ranks(nproc: int, argv: list[str]) -> int:
     except ChildFailedError as e:
         _, failure = e.get_first_failure()
         return failure.exitcode if failure.exitcode > 0 else 1
+    except SignalException:
+        if stopped_status is None:
+            raise
+        return stopped_status
     return 0

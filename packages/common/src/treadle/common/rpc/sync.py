@@ -147,6 +147,11 @@ class SyncRpcClient:
         """Like ``RpcClient.call``; blocks until the reply, an error, or the timeout."""
         return self._lt.run(self._client.call(method, msg, timeout=timeout))
 
+    def submit(self, method: str, msg: Record | None = None, *,
+               timeout: float | None = None) -> concurrent.futures.Future[Record]:
+        """Like ``call`` without waiting: the reply's future (``result()`` raises what ``call`` would)."""
+        return self._lt.submit(self._client.call(method, msg, timeout=timeout))
+
     def stream(self, method: str, msg: Record | None = None, *, timeout: float | None = None) -> Iterator[Record]:
         """Like ``RpcClient.stream``; leaving the loop early cancels the request."""
         agen = self._client.stream(method, msg, timeout=timeout)

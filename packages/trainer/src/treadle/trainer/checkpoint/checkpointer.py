@@ -35,6 +35,8 @@ from treadle.trainer.strategy.deepspeed import DistInfo
 STATE_FILE = "state.json"
 EXTRA_FILE = "extra.json"
 DS_TAG = "ds"
+CRITIC_TAG = "critic"
+"""PPO's critic's DeepSpeed state beside the actor's (trained in the ranks or by a critic server)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -23,6 +23,7 @@ from typing import Any
 from treadle.common.config import ConfigError, dump_yaml, flag_names, load_yaml, parse
 from treadle.trainer.config.algo import ADVANTAGE_ESTIMATORS, GROUP_ESTIMATORS, AdvantageEstimator
 from treadle.trainer.config.commands import DPOConfig, KTOConfig, PPOConfig, RMConfig, SFTConfig
+from treadle.trainer.config.critic import CriticServeConfig
 from treadle.trainer.config.kd import KDConfig
 from treadle.trainer.config.prm import PRMConfig
 from treadle.trainer.config.renamed import (
@@ -43,6 +44,7 @@ COMMANDS: Mapping[str, tuple[type, Mapping[str, str]]] = MappingProxyType({
     "dpo": (DPOConfig, RENAMED_DPO),
     "kto": (KTOConfig, RENAMED_KTO),
     "ppo": (PPOConfig, RENAMED_PPO),
+    "critic": (CriticServeConfig, MappingProxyType({})),
 })
 """Command name -> (config class, retired flags)."""
 

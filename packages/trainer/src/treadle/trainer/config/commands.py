@@ -217,6 +217,7 @@ class PPOConfig:
         _check_lengths_and_batches(self)
         _check_placements(self)
         _check_remote_reference(self)
+        _check_remote_critic(self)
         _check_colocation(self)
         _check_async(self)
         _check_weight_sync(self)
@@ -436,18 +437,39 @@ def _check_placements(cfg: PPOConfig) -> None:
     a = cfg.actor
     for role, what in (("critic", "the critic"), ("ref", "the reference"), ("reward", "the reward model")):
         other = getattr(cfg, role)
+        if role == "critic" and other.remote_url is not None:
+            continue  # the critic server's ranks: checked against its answer at start (``models.remote_critic``)
         given = [(name, mine, theirs) for name, mine, theirs in (("num_nodes", other.num_nodes, a.num_nodes),
                  ("num_gpus_per_node", other.num_gpus_per_node, a.num_gpus_per_node)) if mine is not None]
         if any(mine != theirs for _, mine, theirs in given):
             flags = ", ".join(f"--{role}.{name} {mine}" for name, mine, _ in given)
             apart = {"reward": " (under treadle-launch or train_ppo_ray, a reward model given 1 x 1 and no "
                                "--train.colocate_critic_reward is served apart by a reward daemon)",
+                     "critic": " (under treadle-launch or train_ppo_ray it trains apart in a critic server; else start "
+                               "one with `treadle-train critic --endpoint tcp://HOST:PORT` there and give "
+                               "--critic.remote_url)",
                      "ref": " (to score it on devices of its own, serve it with `treadle-rollout serve --backend hf "
                             "--model REF` there and give --ref.remote_url)"}.get(role, "")
             raise ConfigError(
                 f"{flags}: {what} runs in the trainer's ranks beside the actor (a placement of its own is not "
                 f"implemented here{apart}): leave it unset or equal to the actor's (--actor.num_nodes {a.num_nodes} x "
                 f"--actor.num_gpus_per_node {a.num_gpus_per_node})")
+
+
+def _check_remote_critic(cfg: PPOConfig) -> None:
+    """``--critic.remote_url`` trains the critic apart: only where there is one (gae), and not
+    where the flags put it on the trainer's GPUs."""
+    url = cfg.critic.remote_url
+    if url is None:
+        return
+    if cfg.critic_origin is None:
+        raise ConfigError(f"--critic.remote_url {url}: no critic is used (--algo.advantage.estimator "
+                          f"{cfg.algo.advantage.estimator}; only gae has one): drop it")
+    shared = [f for f, on in (("--train.colocate_all", cfg.train.colocate_all),
+                              ("--train.colocate_critic_reward", cfg.train.colocate_critic_reward)) if on]
+    if shared:
+        raise ConfigError(f"--critic.remote_url {url} with {' and '.join(shared)}: the critic trains apart, on the "
+                          "critic server's devices, not beside the trainer's models: drop one of them")
 
 
 def _check_remote_reference(cfg: PPOConfig) -> None:

@@ -229,10 +229,17 @@ class CriticConfig(TrainedRoleConfig):
     """
 
     num_nodes: int | None = None
-    """Nodes of the critic; None: the actor's. The critic runs in the trainer's ranks beside the
-    actor (a placement of its own is not implemented): another value than the actor's is refused."""
+    """Nodes of the critic; None: the actor's. Another value than the actor's places the critic
+    apart: treadle-launch / train_ppo_ray start a critic server there (``treadle-train critic``);
+    with --critic.remote_url the server's ranks must number num_nodes x num_gpus_per_node."""
     num_gpus_per_node: int | None = None
-    """GPUs per node of the critic; None: the actor's (another value is refused, as num_nodes)."""
+    """GPUs per node of the critic; None: the actor's (as num_nodes)."""
+    remote_url: str | None = None
+    """A critic server (tcp://HOST:PORT of ``treadle-train critic --endpoint ...``, a DeepSpeed group
+    on devices of its own) that values and trains the critic, so the trainer's ranks hold none;
+    None: the critic trains in the ranks."""
+    curve_dir: str = ""
+    """CURVE client keys for a --critic.remote_url off loopback (client.key_secret, server.key)."""
     value_clip: float | None = 0.5
     """Value-loss clip range around the old values; None: unclipped."""
     freezing_steps: int = -1
@@ -247,6 +254,12 @@ class CriticConfig(TrainedRoleConfig):
             raise ConfigError(f"--value_clip must be > 0 (or None), got {self.value_clip}")
         if self.freezing_steps < -1:
             raise ConfigError(f"--freezing_steps must be -1 (off) or >= 0, got {self.freezing_steps}")
+        if self.remote_url is not None:
+            if not self.remote_url.startswith("tcp://"):
+                raise ConfigError(f"--critic.remote_url {self.remote_url}: a critic server's ZeroMQ address, tcp://HOST:PORT")
+            require_client_keys(self.remote_url, self.curve_dir, "--critic.curve_dir")
+        elif self.curve_dir:
+            raise ConfigError("--critic.curve_dir are keys for --critic.remote_url, which is not set")
 
 
 @configclass

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from treadle.common.codec import decode, encode
-from treadle.common.records import Trajectory, TrajectoryBatch
+from treadle.common.records import Record, Trajectory, TrajectoryBatch
 from treadle.trainer.rl.experience import Experience
 
 
@@ -48,25 +48,48 @@ def bytes_to_frames(data: bytes | memoryview) -> list[memoryview]:
     return out
 
 
-def broadcast_trajectories(trajs: list[Trajectory] | None, step: int, device: torch.device) -> list[Trajectory]:
-    """Rank 0's ``trajs`` on every rank (others pass None)."""
+def broadcast_message(msg: Record | None, device: torch.device, *, method: str = "") -> tuple[str, Record | None]:
+    """Rank 0's ``(method, msg)`` on every rank (the others pass anything; they get rank 0's), as
+    wire codec frames in one byte tensor: two broadcasts, the size then the bytes."""
     if _world() == 1:
-        assert trajs is not None
-        return trajs
+        return method, msg
     rank = torch.distributed.get_rank()
-    if rank == 0:
-        payload = frames_to_bytes(encode(TrajectoryBatch(trajectories=list(trajs or []), step=step)))
-        size = torch.tensor([len(payload)], dtype=torch.int64, device=device)
-    else:
-        size = torch.zeros(1, dtype=torch.int64, device=device)
+    payload = frames_to_bytes(encode(msg, method=method)) if rank == 0 else b""
+    size = torch.tensor([len(payload)], dtype=torch.int64, device=device)
     torch.distributed.broadcast(size, 0)
     buf = (torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device) if rank == 0
            else torch.empty(int(size.item()), dtype=torch.uint8, device=device))
     torch.distributed.broadcast(buf, 0)
     if rank == 0:
-        return list(trajs or [])
-    msg = decode(bytes_to_frames(buf.cpu().numpy().tobytes()))
-    return list(msg.msg.trajectories)
+        return method, msg
+    out = decode(bytes_to_frames(buf.cpu().numpy().tobytes()))
+    return out.method, out.msg
+
+
+def broadcast_trajectories(trajs: list[Trajectory] | None, step: int, device: torch.device) -> list[Trajectory]:
+    """Rank 0's ``trajs`` on every rank (others pass None)."""
+    if _world() == 1:
+        assert trajs is not None
+        return trajs
+    _, msg = broadcast_message(TrajectoryBatch(trajectories=list(trajs or []), step=step), device)
+    assert isinstance(msg, TrajectoryBatch)
+    return list(msg.trajectories)
+
+
+def broadcast_arrays(exps: Sequence[Experience], name: str, device: torch.device) -> None:
+    """Rank 0's action array ``name`` of every experience on every rank (the others' are replaced)."""
+    if _world() == 1:
+        return
+    total = sum(e.num_actions for e in exps)
+    rank = torch.distributed.get_rank()
+    flat = (torch.from_numpy(np.concatenate([e.arrays[name] for e in exps] or [np.zeros(0, np.float32)])
+                             .astype(np.float32)).to(device) if rank == 0
+            else torch.empty(total, dtype=torch.float32, device=device))
+    torch.distributed.broadcast(flat, 0)
+    values, at = flat.cpu().numpy(), 0
+    for e in exps:
+        e.arrays[name] = values[at:at + e.num_actions].copy()
+        at += e.num_actions
 
 
 def share_of(count: int, world: int, rank: int) -> list[int]:

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -81,6 +82,14 @@ class PolicyLoss:
     (GSPO with the IS correction, as OpenRLHF's); the IS weights are then not applied."""
     rollout_logprobs: bool = True
     """The experiences carry the engines' logprobs (False: zeros; no gap metrics)."""
+
+
+def step_batches(count: int, size: int, *, seed: int, step: int, epoch: int) -> list[np.ndarray]:
+    """One epoch's optimizer steps over ``count`` experiences of an RL step: ``count // size``
+    batches of ``size`` indices, a permutation seeded by (``seed``, ``step``, ``epoch``), so the
+    actor and a critic trained apart (``trainers.critic``) take the same ones (pure)."""
+    order = np.random.default_rng([seed, step, epoch]).permutation(count)
+    return [order[k * size:(k + 1) * size] for k in range(count // size)]
 
 
 def micro_groups(exps: Sequence[Experience], b: Batching) -> list[list[int]]:

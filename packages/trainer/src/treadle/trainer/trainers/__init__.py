@@ -14,5 +14,6 @@ RECIPES: dict[str, str] = {
     "dpo": "treadle.trainer.trainers.dpo",
     "kto": "treadle.trainer.trainers.kto",
     "ppo": "treadle.trainer.trainers.ppo",
+    "critic": "treadle.trainer.trainers.critic",
 }
 """Command -> module defining ``run(cfg)``."""

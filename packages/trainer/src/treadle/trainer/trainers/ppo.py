@@ -34,20 +34,31 @@ from treadle.common.config import ConfigError
 from treadle.common.log import get_logger
 from treadle.common.metrics import plot_curves
 from treadle.common.records import Trajectory
-from treadle.trainer.checkpoint.checkpointer import TrainState
+from treadle.trainer.checkpoint.checkpointer import CRITIC_TAG, TrainState
 from treadle.trainer.config.commands import PPOConfig, ppo_best_metric
+from treadle.trainer.models import remote_critic
 from treadle.trainer.rl.experience import Experience, from_trajectory
 from treadle.trainer.rl.generation import Group, PromptStream
 from treadle.trainer.rl.kl import KLController
 from treadle.trainer.rl.returns import ReturnsConfig, finalize
 from treadle.trainer.rl.shaping import dynamic_filter
-from treadle.trainer.rl.transfer import all_gather_arrays, broadcast_trajectories, share_of
-from treadle.trainer.rl.update import Batching, PolicyLoss, actor_step, critic_step, score
+from treadle.trainer.rl.transfer import (
+    all_gather_arrays,
+    broadcast_arrays,
+    broadcast_trajectories,
+    share_of,
+)
+from treadle.trainer.rl.update import PolicyLoss, actor_step, critic_step, score, step_batches
 from treadle.trainer.strategy.deepspeed import all_reduce
-from treadle.trainer.trainers.ppo_build import PPOParts, build_parts, close_parts, rollout_logprobs
+from treadle.trainer.trainers.ppo_build import (
+    PPOParts,
+    batchings,
+    build_parts,
+    close_parts,
+    rollout_logprobs,
+)
 
 log = get_logger(__name__)
-CRITIC_TAG = "critic"
 
 
 class PPOTrainer:
@@ -60,15 +71,8 @@ class PPOTrainer:
         cfg = self.cfg
         kl = cfg.algo.kl
         self.kl = KLController(coef=kl.init_coef, target=kl.target, horizon=kl.horizon)
-        self.batching = Batching(micro_batch=cfg.train.micro_batch_size,
-                                 token_budget=cfg.train.max_tokens_per_gpu if cfg.train.dynamic_batch_enable else None,
-                                 packing=cfg.ds.packing_samples, pad_id=parts.tokenizer.pad_token_id or 0,
-                                 device=self.dist.device, ring=parts.ring, dp_group=parts.dp.group)
-        self.score_batching = Batching(micro_batch=cfg.rollout.micro_batch_size,
-                                       token_budget=(cfg.rollout.max_tokens_per_gpu or cfg.train.max_tokens_per_gpu)
-                                       if cfg.train.dynamic_batch_enable else None,
-                                       packing=cfg.ds.packing_samples, pad_id=self.batching.pad_id,
-                                       device=self.dist.device, ring=parts.ring, dp_group=parts.dp.group)
+        self.batching, self.score_batching = batchings(cfg, pad_id=parts.tokenizer.pad_token_id or 0,
+                                                       device=self.dist.device, ring=parts.ring, dp_group=parts.dp.group)
         self.version = 0
         self._offloaded = False
         self.pending: collections.deque[Group] = collections.deque()
@@ -76,6 +80,11 @@ class PPOTrainer:
         self.stream: PromptStream | None = None
 
     # -- configuration views -------------------------------------------------------------------
+
+    @property
+    def critic_apart(self) -> bool:
+        """The critic trains in a critic server (``--critic.remote_url``), which rank 0 drives."""
+        return self.cfg.critic.remote_url is not None
 
     @property
     def gspo_rollout_ratio(self) -> bool:
@@ -226,6 +235,7 @@ class PPOTrainer:
             e.reward = float(e.traj.reward or 0.0)
             e.staleness = self.version - e.traj.min_policy_version
         dp = self.p.dp
+        apart = self.p.remote_critic.values_async(trajs) if self.p.remote_critic is not None else None
         mine = [exps[i] for i in share_of(len(exps), dp.world, dp.rank)]
         policy = self.p.actor if self.needs_old_logp else None
         sums = score(mine, self.score_batching, actor=policy, reference=self.p.reference,
@@ -233,6 +243,12 @@ class PPOTrainer:
         names = (["old_logp"] if policy is not None else []) + (["ref_logp"] if self.p.reference is not None else []) \
             + (["values"] if self.p.critic is not None else []) + (["teacher_logp"] if self.p.teacher is not None else [])
         all_gather_arrays(exps, names, self.dist.device, rank=dp.rank, world=dp.world, group=dp.group)
+        if self.critic_apart:  # valued by the critic server meanwhile; rank 0 has them, the others get them
+            if apart is not None:
+                reply = remote_critic.result(apart, self.cfg.critic.remote_url, "values")
+                for e, v in zip(exps, remote_critic.split_values(reply, [e.num_actions for e in exps]), strict=True):
+                    e.arrays["values"] = v
+            broadcast_arrays(exps, "values", self.dist.device)
         if self.p.reward_model is not None:
             self._score_with_reward_model(exps)
         steps = self._score_with_prm(exps) if self.p.prm is not None else None
@@ -295,11 +311,12 @@ class PPOTrainer:
         metrics: dict[str, list[float]] = collections.defaultdict(list)
         loss = self.policy_loss()
         size = cfg.train.batch_size
-        actor_frozen = step <= cfg.critic.freezing_steps and self.p.critic is not None
+        actor_frozen = step <= cfg.critic.freezing_steps and (self.p.critic is not None or self.critic_apart)
+        apart = None  # the critic server trains on the same order while the actor trains here
+        if self.p.remote_critic is not None:
+            apart = self.p.remote_critic.train_async(step, [e.arrays["returns"] for e in exps])
         for epoch in range(cfg.train.max_epochs):
-            order = np.random.default_rng([cfg.train.seed, step, epoch]).permutation(len(exps))
-            for k in range(len(exps) // size):
-                batch = order[k * size:(k + 1) * size]
+            for batch in step_batches(len(exps), size, seed=cfg.train.seed, step=step, epoch=epoch):
                 mine = [exps[int(batch[i])] for i in share_of(size, self.p.dp.world, self.p.dp.rank)]
                 if self.p.critic is not None:
                     for name, v in critic_step(self.p.critic, mine, self.batching, clip=cfg.critic.value_clip,
@@ -310,19 +327,32 @@ class PPOTrainer:
                         metrics[name].append(v)
                     if self.p.ema is not None:  # --train.enable_ema: after each actor optimizer step
                         self.p.ema.update()
-        return {name: float(np.mean(v)) for name, v in metrics.items()}
+        out = {name: float(np.mean(v)) for name, v in metrics.items()}
+        if apart is not None:
+            out.update(remote_critic.result(apart, cfg.critic.remote_url, "train").metrics)
+        return out
 
     # -- checkpoints ---------------------------------------------------------------------------
 
     def _more_engines(self) -> dict[str, Any]:
         return {CRITIC_TAG: self.p.critic} if self.p.critic is not None else {}
 
+    def _write_more(self, folder: Path) -> None:
+        """Every rank, into a checkpoint being written: the EMA's slices; the critic server's state
+        (rank 0 asks it to write there: the folder must be one both see)."""
+        if self.p.ema is not None:
+            self.p.ema.save(folder, self.dist.rank)
+        if self.p.remote_critic is not None and not self.cfg.ckpt.disable_ds:
+            self.p.remote_critic.save(str(folder.resolve()))
+            if not (folder / CRITIC_TAG).is_dir():
+                raise RuntimeError(f"the critic server saved into {folder.resolve()}, which this host does not see "
+                                   "there: --ckpt.path must be on a filesystem the trainer and the critic server share")
+
     def save(self, state: TrainState) -> Path:
         write_hf = self.export if self.cfg.ckpt.save_hf else None
-        ema = self.p.ema
         path = self.p.checkpointer.save(self.p.actor, state, write_hf=write_hf, more_engines=self._more_engines(),
                                         extra={"version": self.version, "kl_coef": self.kl.coef},
-                                        write_more=None if ema is None else lambda d: ema.save(d, self.dist.rank))
+                                        write_more=self._write_more)
         if self.dist.is_main:
             self.p.trajlog.compact(state.global_step)
             log.info("checkpoint saved", extra={"fields": {"path": str(path), "step": state.global_step}})
@@ -331,6 +361,8 @@ class PPOTrainer:
     def resume(self) -> TrainState:
         ckpt = self.p.checkpointer
         latest = ckpt.latest() if self.cfg.ckpt.load_enable else None
+        if self.p.remote_critic is not None:  # the server's critic to the same step (or its starting weights)
+            self.p.remote_critic.load("" if latest is None else str(latest.resolve()))
         if latest is None:
             return TrainState()
         state = ckpt.load(self.p.actor, latest, more_engines=self._more_engines())
@@ -370,6 +402,10 @@ class PPOTrainer:
         classification model with its value head, as a trained reward model is exported."""
         from treadle.trainer.checkpoint.export import full_state_dict, save_reward_model  # noqa: PLC0415
 
+        if self.critic_apart:  # the critic server writes it
+            if self.p.remote_critic is not None:
+                self.p.remote_critic.export(str(out.resolve()))
+            return
         state = full_state_dict(self.p.critic, zero_stage=self.cfg.ds.zero_stage, is_main=self.dist.is_main)
         if self.dist.is_main:
             module = self.p.critic.module

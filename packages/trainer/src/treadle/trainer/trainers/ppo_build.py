@@ -46,7 +46,7 @@ class PPOParts:
     ring: Any  # this rank's RingGroup under ring attention, else None
     dp: Any  # the data-parallel view (rank, world, group)
     actor: Any  # DeepSpeed engine
-    critic: Any | None  # DeepSpeed engine (gae only)
+    critic: Any | None  # DeepSpeed engine (gae only, trained in the ranks)
     reference: Reference | None
     reward_model: Any | None  # frozen RewardModel on the device
     prm: Any | None = None  # frozen ProcessRewardModel (--reward.prm_model_name_or_path), as the reward model
@@ -62,6 +62,7 @@ class PPOParts:
     trajlog: Any | None = None  # TrajectoryLog
     metrics: MetricsLogger | None = None
     closers: list[Any] | None = None
+    remote_critic: Any | None = None  # rank 0's RemoteCritic with --critic.remote_url
 
 
 def prompt_of(row: Row, cfg: PPOConfig) -> Prompt:
@@ -102,27 +103,75 @@ def opt_steps_per_rl_step(cfg: PPOConfig) -> int:
     return cfg.rollout.batch_size * cfg.rollout.n_samples_per_prompt // cfg.train.batch_size
 
 
-def engines(cfg: PPOConfig, dist: DistInfo, dp_world: int, total_opt_steps: int) -> tuple[Any, Any | None]:
-    """(actor engine, critic engine or None)."""
-    from treadle.trainer.models.critic import Critic  # noqa: PLC0415
+def batchings(cfg: PPOConfig, *, pad_id: int, device: Any, ring: Any, dp_group: Any) -> tuple[Any, Any]:
+    """(training, scoring) micro-batching of a run's models (``rl.update.Batching``): training by
+    ``--train.micro_batch_size``, scoring by ``--rollout.micro_batch_size``, by tokens with
+    ``--train.dynamic_batch_enable``."""
+    from treadle.trainer.rl.update import Batching  # noqa: PLC0415
+
+    dynamic = cfg.train.dynamic_batch_enable
+    common = {"packing": cfg.ds.packing_samples, "pad_id": pad_id, "device": device, "ring": ring, "dp_group": dp_group}
+    train = Batching(micro_batch=cfg.train.micro_batch_size,
+                     token_budget=cfg.train.max_tokens_per_gpu if dynamic else None, **common)
+    scoring = Batching(micro_batch=cfg.rollout.micro_batch_size,
+                       token_budget=(cfg.rollout.max_tokens_per_gpu or cfg.train.max_tokens_per_gpu) if dynamic else None,
+                       **common)
+    return train, scoring
+
+
+def engine_options(cfg: PPOConfig, world: int, dp_world: int, total_opt_steps: int) -> dict[str, int]:
+    """``build_engine``'s batch and schedule arguments for a world of ``world`` ranks (``dp_world``
+    data-parallel); ConfigError when ``--train.batch_size`` does not divide into them."""
     from treadle.trainer.strategy.deepspeed import grad_accum_steps  # noqa: PLC0415
 
     train = cfg.train
     gas = grad_accum_steps(train.batch_size, train.micro_batch_size, dp_world)
-    kw = {"micro_batch": train.micro_batch_size, "grad_accum": gas, "world": dist.world, "total_steps": total_opt_steps}
+    return {"micro_batch": train.micro_batch_size, "grad_accum": gas, "world": world, "total_steps": total_opt_steps}
+
+
+def critic_engine(cfg: PPOConfig, options: dict[str, int], *, is_main: bool) -> Any:
+    """The critic's DeepSpeed engine from ``cfg.critic_model_name_or_path`` (the trainer's ranks, or a critic server's)."""
+    from treadle.trainer.models.critic import Critic  # noqa: PLC0415
+
+    if is_main:
+        log.info("critic starts from %s (%s)%s", cfg.critic_model_name_or_path, cfg.critic_origin,
+                 "" if cfg.critic.model_name_or_path else ": --critic.model_name_or_path unset (OpenRLHF's default)")
+    torch.manual_seed(cfg.train.seed)  # its value head starts alike wherever it trains (ranks or a critic server)
+    critic = Critic.from_pretrained(cfg.critic_model_name_or_path, cfg.ds,
+                                    gradient_checkpointing=cfg.actor.gradient_checkpointing_enable)
+    return build_engine(critic, cfg.ds, cfg.critic, **options)
+
+
+def engines(cfg: PPOConfig, dist: DistInfo, dp_world: int, total_opt_steps: int) -> tuple[Any, Any | None]:
+    """(actor engine, critic engine or None: no critic, or one trained apart, ``--critic.remote_url``)."""
+    kw = engine_options(cfg, dist.world, dp_world, total_opt_steps)
     actor = load_causal_lm(cfg.actor.model_name_or_path, cfg.ds, trainable=True,
                            gradient_checkpointing=cfg.actor.gradient_checkpointing_enable,
                            reentrant=cfg.actor.gradient_checkpointing_reentrant)
     actor_engine = build_engine(actor, cfg.ds, cfg.actor, **kw)
-    critic_engine = None
-    if cfg.critic_model_name_or_path is not None:
-        if dist.is_main:
-            log.info("critic starts from %s (%s)%s", cfg.critic_model_name_or_path, cfg.critic_origin,
-                     "" if cfg.critic.model_name_or_path else ": --critic.model_name_or_path unset (OpenRLHF's default)")
-        critic = Critic.from_pretrained(cfg.critic_model_name_or_path, cfg.ds,
-                                        gradient_checkpointing=cfg.actor.gradient_checkpointing_enable)
-        critic_engine = build_engine(critic, cfg.ds, cfg.critic, **kw)
-    return actor_engine, critic_engine
+    in_ranks = cfg.critic_model_name_or_path is not None and cfg.critic.remote_url is None
+    return actor_engine, critic_engine(cfg, kw, is_main=dist.is_main) if in_ranks else None
+
+
+def remote_critic(cfg: PPOConfig, *, total_opt_steps: int, pad_id: int) -> tuple[Any, Any]:
+    """Rank 0 with ``--critic.remote_url``: (the client, the future of its ``setup``), once the
+    server answers and has accepted the run's flags (ConfigError naming its reason: before any
+    model loads here). The server loads the critic while the ranks load the actor."""
+    from treadle.trainer.models.remote_critic import RemoteCritic  # noqa: PLC0415
+
+    curve = None
+    if cfg.critic.curve_dir:
+        from treadle.common.rpc import load_client_keys  # noqa: PLC0415
+
+        curve = load_client_keys(cfg.critic.curve_dir)
+    client = RemoteCritic(cfg.critic.remote_url, curve=curve)
+    try:
+        client.wait_ready()
+        setup = client.check(cfg, total_opt_steps=total_opt_steps, pad_id=pad_id)
+        return client, client.setup_async(setup)
+    except BaseException:
+        client.close()
+        raise
 
 
 def frozen_models(cfg: PPOConfig, dist: DistInfo, ring: Any) -> tuple[Reference | None, Any | None]:
@@ -462,7 +511,22 @@ def build_parts(cfg: PPOConfig) -> PPOParts:
     prompts, eval_prompts = load_prompts(cfg)
     per_step = opt_steps_per_rl_step(cfg)
     rl_steps = len(prompts) * cfg.train.num_episodes // cfg.rollout.batch_size
-    actor, critic = engines(cfg, dist, dp.world, max(1, rl_steps * per_step * cfg.train.max_epochs))
+    total_opt_steps = max(1, rl_steps * per_step * cfg.train.max_epochs)
+    apart, setup = None, None
+    if cfg.critic.remote_url and dist.is_main:
+        apart, setup = remote_critic(cfg, total_opt_steps=total_opt_steps, pad_id=tok.pad_token_id or 0)
+    try:
+        actor, critic = engines(cfg, dist, dp.world, total_opt_steps)
+        if setup is not None:
+            from treadle.trainer.models.remote_critic import result  # noqa: PLC0415
+
+            ready = result(setup, cfg.critic.remote_url, "setup")
+            log.info("critic: trained apart by the server at --critic.remote_url",
+                     extra={"fields": {"endpoint": cfg.critic.remote_url, "ranks": ready.world, "model": ready.model}})
+    except BaseException:
+        if apart is not None:
+            apart.close()
+        raise
     reference, reward_model = frozen_models(cfg, dist, ring)
     prm, prm_separator = process_reward_model(cfg, dist, tok)
     teacher = teacher_model(cfg, dist, ring)
@@ -470,7 +534,9 @@ def build_parts(cfg: PPOConfig) -> PPOParts:
                      actor=actor,
                      critic=critic, reference=reference, reward_model=reward_model, prm=prm, prm_separator=prm_separator,
                      teacher=teacher, checkpointer=build.checkpointer(cfg, dist), opt_steps_per_rl_step=per_step,
-                     closers=[])
+                     closers=[], remote_critic=apart)
+    if apart is not None:
+        parts.closers.append(apart.close)
     if teacher is not None:
         parts.closers.append(teacher.close)
     if reference is not None and cfg.ref.remote_url:
