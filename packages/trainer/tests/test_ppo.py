@@ -436,6 +436,26 @@ def test_ppo_on_one_gpu_scores_its_reference_in_a_daemon_of_its_own(tiny, task, 
 
 
 @pytest.mark.gpu
+def test_ppo_on_one_gpu_trains_its_critic_in_a_critic_server(tiny, task, helpers, tmp_path):
+    """``--critic.remote_url`` on the GPU machine: the critic server is a DeepSpeed engine on CUDA
+    (its own process and NCCL world; one GPU, so beside the trainer and the engine on GPU 0). gae,
+    3 steps: values and critic losses come back, a checkpoint holds the server's critic state,
+    and the server exports the value model."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    on_gpu = ("--backend", "hf", "--engine.device", "cuda", "--gpu_ids", "0")
+    with serving(tiny, helpers, *on_gpu) as endpoint, critic_server(helpers) as url:
+        run_ppo(ppo_args(tiny, task, tmp_path, endpoint, *GAE, "--vllm.sync_backend", "cuda_ipc", "--ckpt.save_steps",
+                         "1", "--critic.remote_url", url, "--critic.save_value_network"), helpers)
+    rows = metrics(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2, 3] and all(r["critic/loss"] > 0 for r in rows), rows
+    assert (tmp_path / "ckpt" / "step_00000003" / "critic").is_dir()
+    assert (tmp_path / "model_critic" / "model.safetensors").is_file()
+
+
+@pytest.mark.gpu
 def test_ppo_on_one_gpu_sends_only_the_lora_adapter_into_vllm_over_cuda_ipc(tiny, task, helpers, tmp_path):
     """``--vllm.sync_adapters`` on the GPU: vLLM (on the trainer's GPU) serves its own base model
     with the adapter each step sends over CUDA IPC (its workers stage the adapter from the
