@@ -788,3 +788,44 @@ def test_a_reference_over_two_nodes_scores_through_ray_placed_engines(tiny, task
         assert sorted(placed.values()) == sorted(n.node_id for n in nodes[1:]), (placed, head)
     rows = [json.loads(line) for line in (tmp_path / "ckpt" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2] and abs(rows[0]["kl"]) < 1e-6, rows
+
+
+@pytest.mark.slow
+def test_a_critic_over_two_nodes_trains_apart_and_the_run_resumes_with_it(tiny, task, helpers, tmp_path):
+    """``--critic.num_nodes 2 --critic.num_gpus_per_node 1`` beside an actor of one rank (gae): the
+    launcher's critic server is two torchrun parts on the two nodes labelled role=critic, one world
+    (ZeRO-3 over gloo) meeting on the first; its rank 0 binds its node's address with the run's
+    CURVE keys, and the trainer values and trains the critic through it. The run saves each step;
+    then the same launch resumed (--ckpt.load_enable, one more episode) loads the critic's state
+    from the trainer's checkpoint into a new server and goes on training it."""
+    critic = {"num_cpus": 1, "labels": {"role": "critic"}}
+    with _cluster({"num_cpus": 3}, critic, critic) as (cluster, nodes, ray_tmp):
+        def launch(*more: str) -> dict:
+            flags = helpers.ppo_flags(tiny, task, tmp_path, "--vllm.backend", "hf", "--reward.remote_url",
+                                      str(task.reward), "--critic.num_nodes", "2", "--critic.num_gpus_per_node", "1",
+                                      "--ckpt.save_steps", "1", *more)
+            values = {"--algo.advantage.estimator": "gae", "--ds.zero_stage": "3", "--train.micro_batch_size": "4"}
+            flags = [values.get(flags[i - 1], f) if i else f for i, f in enumerate(flags)]
+            args = ["--backend", "ray", "--ray.address", cluster.address, "--run_dir", str(tmp_path / "run"),
+                    "--critic.node_labels", "role=critic", "--", "rollout", "--backend", "hf", "--", "ppo", *flags]
+            proc = helpers.launch(args, env=helpers.child_env(TREADLE_LOG_JSON="1", RAY_TMPDIR=str(ray_tmp)))
+            text = helpers.finish(proc, 600)
+            assert proc.returncode == 0, text[-6000:]
+            return helpers.run_json(tmp_path / "run")
+
+        record = launch()
+        comps = record["components"]
+        assert set(comps) == {"rollout", "critic", "critic.1", "trainer"}
+        on = {n.node_id for n in nodes[1:]}
+        assert {comps["critic"]["node_id"], comps["critic.1"]["node_id"]} == on
+        assert record["addresses"]["critic"].startswith(f"tcp://{record['placement']['critic']['node_ip']}:")
+        cmd = comps["critic.1"]["cmd"]
+        assert "--nnodes=2" in cmd and "--node_rank=1" in cmd
+        if "--critic.curve_dir" not in comps["trainer"]["cmd"]:
+            assert record["placement"]["critic"]["node_ip"] in ("127.0.0.1", "localhost")
+        shutil.rmtree(tmp_path / "run")
+        launch("--ckpt.load_enable", "--train.num_episodes", "2")
+    rows = [json.loads(line) for line in (tmp_path / "ckpt" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4] and all(r["critic/loss"] > 0 for r in rows), rows
+    assert sorted(p.name for p in (tmp_path / "ckpt" / "step_00000004" / "critic").glob("*optim_states.pt")) == [
+        "zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"]
