@@ -214,10 +214,11 @@ def test_a_trainer_refusing_a_data_row_is_not_restarted(tiny, helpers, tmp_path)
 
 
 def test_a_trainer_killed_mid_run_restarts_alone_while_its_daemons_keep_serving(tiny, task, helpers, tmp_path):
-    """The local backend with a rollout and a reward daemon, ``--max_restarts 1``: the trainer is
-    SIGKILLed after its first checkpoint. The launcher starts the trainer again from that
-    checkpoint in the same attempt, the daemons untouched (same pids, no restart of the run);
-    the run finishes every step with exit 0 and trains each trajectory once."""
+    """The local backend with a rollout and a reward daemon and a critic server (gae, its critic on 2
+    ranks of its own), ``--max_restarts 1``: the trainer is SIGKILLed after its first checkpoint.
+    The launcher starts the trainer again from that checkpoint in the same attempt, the daemons
+    untouched (same pids, no restart of the run; the critic server keeps its model and loads the
+    checkpoint's critic state); the run finishes every step with exit 0 and trains each trajectory once."""
     import os
     import signal
 
@@ -226,7 +227,9 @@ def test_a_trainer_killed_mid_run_restarts_alone_while_its_daemons_keep_serving(
 
     run, ckpt = tmp_path / "run", tmp_path / "ckpt"
     flags = helpers.ppo_flags(tiny, task, tmp_path, "--vllm.backend", "hf", "--data.max_samples", "8",
-                              "--ckpt.save_steps", "1")  # 4 steps, a checkpoint after each
+                              "--ckpt.save_steps", "1", "--critic.num_gpus_per_node", "2")  # 4 steps, a checkpoint after each
+    values = {"--algo.advantage.estimator": "gae", "--train.micro_batch_size": "4"}
+    flags = [values.get(flags[i - 1], f) if i else f for i, f in enumerate(flags)]
     proc = helpers.launch(["--run_dir", str(run), "--max_restarts", "1", "--restart_backoff_s", "0",
                            "--stop_timeout_s", "10", "--", "rollout", "--backend", "hf", "--no_cpu_bind",
                            "--", "rewards", "--functions", str(task.reward), "--workers.num_workers", "1",
@@ -241,11 +244,13 @@ def test_a_trainer_killed_mid_run_restarts_alone_while_its_daemons_keep_serving(
     (restart,) = record["trainer_restarts"]
     assert restart["failed"] == "trainer" and restart["checkpoint_step"] >= 1
     comps = record["components"]
-    assert {n: comps[n]["pid"] for n in ("rollout", "rewards")} == {n: before[n]["pid"] for n in ("rollout", "rewards")}
+    kept = ("rollout", "rewards", "critic")
+    assert {n: comps[n]["pid"] for n in kept} == {n: before[n]["pid"] for n in kept}
     assert comps["trainer"]["pid"] != before["trainer"]["pid"] and "--ckpt.load_enable" in comps["trainer"]["cmd"]
     assert (run / "trainer.restart-1.log").is_file() and "restarting the trainer from step" in out
     rows = [json.loads(line) for line in (ckpt / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["step"] == 4 and {r["step"] for r in rows} == {1, 2, 3, 4}
+    assert all(r["critic/loss"] > 0 for r in rows)
     with TrajectoryLog(ckpt / "trajectories") as tl:
         lineage = tl.lineage(4)
         pending = tl.recover(4).pending
