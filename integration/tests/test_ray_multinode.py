@@ -658,6 +658,11 @@ def test_train_ppo_ray_spreads_its_engines_as_ray_actors_unless_they_share_the_t
     two_nodes = [*colocated, "--actor.num_nodes", "2", "--vllm.num_engines", "4"]  # OpenRLHF's hybrid engine on 2 nodes
     plan = make_plan(launch_config(two_nodes, parse_ppo(two_nodes), gpus=True))
     assert plan.daemon("rollout").num_gpus == 4 and bundles_of(plan)[0] == [{"CPU": 3.0, "GPU": 2.0}, {"CPU": 2.0, "GPU": 2.0}]
+    gae = [*args, "--algo.advantage.estimator", "gae", "--rollout.n_samples_per_prompt", "1", "--rollout.batch_size", "8",
+           "--critic.num_nodes", "2", "--critic.num_gpus_per_node", "1"]  # OpenRLHF's critic on 2 nodes of 1 GPU
+    plan = make_plan(launch_config(gae, parse_ppo([*gae[:-4]]), gpus=True))
+    critic = plan.daemon("critic")
+    assert critic.parts == ("critic", "critic.1") and critic.num_gpus == 1 and plan.trainer_cfg.critic.remote_url
 
 
 def test_a_reference_given_gpus_of_its_own_is_a_reference_daemon_on_them():

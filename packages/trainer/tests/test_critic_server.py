@@ -101,6 +101,22 @@ def test_the_server_reads_and_writes_only_the_runs_own_folders(critic, tiny, tmp
     critic.load(str(tmp_path / "ckpt" / ".tmp-step_00000001"))
 
 
+def test_the_last_trainer_to_set_up_owns_the_server(critic, server, tiny, tmp_path):
+    """A second trainer's setup takes the server over (a restarted trainer is a new client); the
+    first one's later requests are refused by name, not interleaved with the new run's."""
+    cfg = ppo(tiny, "--critic.num_gpus_per_node", "2", "--critic.remote_url", server, "--ckpt.path",
+              str(tmp_path / "ckpt"), "--ds.zero_stage", "3")
+    critic.setup_async(critic.check(cfg, total_opt_steps=4, pad_id=0)).result(timeout=300)
+    other = RemoteCritic(server)
+    try:
+        other.setup_async(other.check(cfg, total_opt_steps=4, pad_id=0)).result(timeout=300)
+        with pytest.raises(ConfigError, match="serves another trainer's run now"):
+            critic.save(str(tmp_path / "ckpt" / "x"))
+        other.save(str(tmp_path / "ckpt" / "x"))
+    finally:
+        other.close()
+
+
 def test_expected_world_and_split_values_are_pure(tiny):
     assert expected_world(ppo(tiny)) is None
     assert expected_world(ppo(tiny, "--critic.num_gpus_per_node", "4", "--critic.remote_url", "tcp://127.0.0.1:1")) == 4

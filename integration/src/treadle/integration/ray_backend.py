@@ -21,7 +21,12 @@ trainer. The cost is the bundle shape: one bundle per node holding K ranks' GPUs
 an actor holds one bundle, where OpenRLHF has one bundle per GPU; a bundle that does not fit on
 one node is never split.
 
-Placement: the bundles of the trainer's nodes, one per daemon (with ppo's
+A critic server (``-- critic``, or ppo's ``--critic.num_gpus_per_node`` unlike the actor's) runs
+as the trainer does: one actor per node it spans, each running its ranks as a subprocess
+(``treadle-train critic --ranks K`` on one node, torchrun over several, meeting on the first part's
+node, whose rank 0 binds the endpoint: ``start_critic``).
+
+Placement: the bundles of the trainer's nodes, one per daemon (a critic: one per node; with ppo's
 ``--train.colocate_all`` the rollout daemon shares the first trainer bundle and gets its GPU ids,
 ``--gpu_ids``; over several trainer nodes its engines are Ray actors in every trainer node's
 bundle instead, on the GPUs of the ranks there, ``--ray.colocate``), in one placement group with strategy PACK: a run that fits on one node stays on

@@ -19,9 +19,10 @@ torchrun's rendezvous on the first one's node). On a cluster with GPUs each rank
 engines get ``num_engines x tensor_parallel_size`` (the trainer's own with
 ``--train.colocate_all``); on a CPU-only cluster the same numbers are CPU processes. Rewards come
 from the trainer's own flags (``--reward.model_name_or_path`` in the trainer ranks,
-``--reward.remote_url`` a file, a daemon or a URL). The critic lives in the trainer ranks, so its
-``--critic.num_nodes`` / ``--critic.num_gpus_per_node`` are unset or the actor's (the config refuses
-others). A reward model given other counts than the actor's (1 x 1), without
+``--reward.remote_url`` a file, a daemon or a URL). A critic (gae) given other counts than the
+actor's (``--critic.num_nodes`` x ``--critic.num_gpus_per_node``), without
+``--train.colocate_critic_reward`` / ``--train.colocate_all``, trains in a critic server of those
+ranks (``plan.place_critic``: one torchrun part per node, a GPU per rank). A reward model given other counts than the actor's (1 x 1), without
 ``--train.colocate_critic_reward`` / ``--train.colocate_all``, is served apart by a reward daemon
 (``plan.place_reward_model``); a reference given other counts (1 node x G), without
 ``--train.colocate_actor_ref`` / ``--train.colocate_all``, by a reference daemon of G engines
@@ -62,12 +63,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     setup_logging()
     from treadle.integration.cli import install_stop_handlers, launch, report, run_dir_of  # noqa: PLC0415
-    from treadle.integration.plan import REF_PLACEMENT, REWARD_PLACEMENT, make_plan, without_flags  # noqa: PLC0415
+    from treadle.integration.plan import (  # noqa: PLC0415
+        CRITIC_PLACEMENT,
+        REF_PLACEMENT,
+        REWARD_PLACEMENT,
+        make_plan,
+        without_flags,
+    )
     from treadle.trainer.config import parse_ppo  # noqa: PLC0415
 
     try:
-        # a reward model or reference apart: the plan serves them (placement flags unlike the actor's)
-        ppo = parse_ppo(without_flags(args, (*REWARD_PLACEMENT, *REF_PLACEMENT)))
+        # a reward model, reference or critic apart: the plan serves them (placement flags unlike the actor's)
+        ppo = parse_ppo(without_flags(args, (*REWARD_PLACEMENT, *REF_PLACEMENT, *CRITIC_PLACEMENT)))
         cpu_plan = make_plan(launch_config(args, ppo, gpus=False))
     except ConfigError as e:
         print(f"train_ppo_ray: error: {e}", file=sys.stderr)

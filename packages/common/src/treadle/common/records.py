@@ -469,6 +469,9 @@ class CriticSetup(Record):
     """Optimizer steps of the whole run (the length of the learning-rate schedule)."""
     pad_id: int
     """The actor tokenizer's padding token."""
+    session: str = ""
+    """The trainer's id for this run's requests: the server serves the last setup's session and
+    refuses the others' requests (another trainer still talking to it)."""
 
     def __post_init__(self) -> None:
         if self.total_opt_steps < 1:
@@ -491,6 +494,8 @@ class CriticValuesRequest(Record):
 
     trajectories: list[Trajectory]
     """The step's batch, in the trainer's order; the critic keeps it for the step's ``train``."""
+    session: str = ""
+    """The ``CriticSetup.session`` this request belongs to."""
 
 
 class CriticValues(Record):
@@ -512,6 +517,8 @@ class CriticTrainRequest(Record):
     """The batch's trajectory uids, in order: must be those of the last ``CriticValuesRequest``."""
     returns: Array
     """float32 [sum of action tokens]: each action token's return, in the order of ``CriticValues``."""
+    session: str = ""
+    """The ``CriticSetup.session`` this request belongs to."""
 
     def __post_init__(self) -> None:
         _check_1d("CriticTrainRequest.returns", self.returns)
@@ -530,6 +537,8 @@ class CriticCheckpoint(Record):
 
     path: str
     """An absolute path every critic rank can reach (the trainer's shared checkpoint folder)."""
+    session: str = ""
+    """The ``CriticSetup.session`` this request belongs to."""
 
 
 WEIGHT_UPDATES: dict[str, type[WeightUpdate]] = {

@@ -15,6 +15,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import time
+import uuid
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -59,6 +60,8 @@ class RemoteCritic:
         self.url = url
         self._client = SyncRpcClient(url, name="critic", curve=curve, timeout_s=WORK_TIMEOUT_S)
         self._uids: list[str] = []
+        self.session = uuid.uuid4().hex
+        """This trainer's session: the server refuses requests of any other but its last setup's."""
 
     def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> None:
         """Until the server answers its health call; TimeoutError naming the address after ``timeout``."""
@@ -80,7 +83,7 @@ class RemoteCritic:
         ckpt = dataclasses.replace(cfg.ckpt, path=str(Path(cfg.ckpt.path).resolve()),
                                    output_dir=str(Path(cfg.ckpt.output_dir).resolve()))
         setup = CriticSetup(config=dump_yaml(dataclasses.replace(cfg, ckpt=ckpt)), total_opt_steps=total_opt_steps,
-                            pad_id=pad_id)
+                            pad_id=pad_id, session=self.session)
         ready = self._call("check", setup)
         want = expected_world(cfg)
         if want is not None and ready.world != want:
@@ -95,23 +98,23 @@ class RemoteCritic:
     def values_async(self, trajs: Sequence[Trajectory]) -> concurrent.futures.Future[Any]:
         """The values of ``trajs`` (one step's batch, in order): the future's ``CriticValues``."""
         self._uids = [t.uid for t in trajs]
-        return self._client.submit("values", CriticValuesRequest(trajectories=list(trajs)))
+        return self._client.submit("values", CriticValuesRequest(trajectories=list(trajs), session=self.session))
 
     def train_async(self, step: int, returns: Sequence[np.ndarray]) -> concurrent.futures.Future[Any]:
         """The critic's optimizer steps of RL step ``step`` on the batch last valued, toward
         ``returns`` (one array per trajectory): the future's ``CriticTrainResult``."""
         flat = np.concatenate([np.asarray(r, np.float32) for r in returns] or [np.zeros(0, np.float32)])
-        return self._client.submit("train", CriticTrainRequest(step=step, uids=self._uids, returns=flat))
+        return self._client.submit("train", CriticTrainRequest(step=step, uids=self._uids, returns=flat, session=self.session))
 
     def save(self, path: str) -> None:
-        self._call("save", CriticCheckpoint(path=path))
+        self._call("save", CriticCheckpoint(path=path, session=self.session))
 
     def load(self, path: str) -> None:
         """Restore the critic from checkpoint folder ``path`` ("": its starting weights)."""
-        self._call("load", CriticCheckpoint(path=path))
+        self._call("load", CriticCheckpoint(path=path, session=self.session))
 
     def export(self, path: str) -> None:
-        self._call("export", CriticCheckpoint(path=path))
+        self._call("export", CriticCheckpoint(path=path, session=self.session))
 
     def _call(self, method: str, msg: Any) -> Any:
         try:

@@ -112,6 +112,9 @@ class CriticServer:
         kind, fn = self.methods[method]
         if kind is not None and not isinstance(msg, kind):
             raise BadRequest(f"{method} takes a {kind.__name__}, got {type(msg).__name__}")
+        if method not in ("check", "setup", "noop") and self.built is not None and msg.session != self.built.setup.session:
+            raise BadRequest(f"{method}: this critic server serves another trainer's run now (the last setup's); "
+                             "a trainer that lost it must start again (it resumes from its checkpoint)")
         return fn(msg)
 
     # -- set-up ----------------------------------------------------------------------------------
@@ -147,8 +150,8 @@ class CriticServer:
         view = critic_view(cfg, req.total_opt_steps)
         if self.built is None or self.built.view != view or self.built.setup.pad_id != req.pad_id:
             self._build(cfg, view, req)
-        else:
-            self.built.cfg = cfg
+        else:  # the same critic for the same flags (a restarted trainer: it loads its checkpoint next)
+            self.built.cfg, self.built.setup, self.batch = cfg, req, []
         return self._ready(cfg)
 
     def _build(self, cfg: PPOConfig, view: dict[str, Any], req: CriticSetup) -> None:
