@@ -185,6 +185,24 @@ def test_restart_flags_are_checked_at_parse_time(argv, message):
         parse_launch(argv)
 
 
+def test_ppo_max_restarts_is_the_launchers_max_restarts(tmp_path):
+    """``-- ppo --train.max_restarts N`` (what train_ppo_ray users give): the launcher's
+    ``--max_restarts N``, and the trainer does not get the flag; given both ways it must agree."""
+    from treadle.integration.train_ppo_ray import launch_config
+    from treadle.trainer.config import parse_ppo
+
+    ppo = ["--actor.model_name_or_path", "M", "--data.prompt_dataset", "p.jsonl", "--reward.remote_url", "math",
+           "--algo.advantage.estimator", "group_norm", "--rollout.n_samples_per_prompt", "4", "--rollout.batch_size",
+           "2", "--train.batch_size", "8", "--ckpt.path", str(tmp_path), "--ckpt.save_steps", "1",
+           "--train.max_restarts", "2"]
+    plan = make_plan(parse_launch(["--", "ppo", *ppo]))
+    assert plan.cfg.max_restarts == 2 and "--train.max_restarts" not in plan.cfg.trainer.args
+    assert make_plan(parse_launch(["--max_restarts", "2", "--", "ppo", *ppo])).cfg.max_restarts == 2
+    with pytest.raises(ConfigError, match=r"--train\.max_restarts 2 but --max_restarts 1: give it once"):
+        make_plan(parse_launch(["--max_restarts", "1", "--", "ppo", *ppo]))
+    assert make_plan(launch_config(ppo, parse_ppo(ppo), gpus=False)).cfg.max_restarts == 2  # train_ppo_ray
+
+
 def test_restarts_need_checkpoints_during_the_run(tmp_path):
     with pytest.raises(ConfigError, match="--ckpt.save_steps -1"):
         plan_for(tmp_path, ppo=("--ckpt.save_steps", "-1"))

@@ -127,3 +127,18 @@ def test_recipes_without_autotp_refuse_it(recipe, tmp_path):
         with pytest.raises(ConfigError, match=r"--ds.tensor_parallel_size > 1 \(AutoTP\): not available"):
             ppo_build.build_parts(config.parse_ppo([*argv, "--data.prompt_dataset", "d", "--reward.remote_url", "x",
                                                     "--algo.advantage.estimator", "reinforce"]))
+
+
+def test_max_restarts_is_the_launchers_and_refused_by_the_trainer_alone(tmp_path):
+    """``--train.max_restarts`` (issue 32's name): a launcher takes it off the trainer's flags and
+    restarts the run; ``treadle-train ppo`` on its own refuses it before anything starts."""
+    from treadle.trainer import config
+    from treadle.trainer.trainers import ppo_build
+
+    argv = ["--actor.model_name_or_path", "m", "--ckpt.path", str(tmp_path), "--data.prompt_dataset", "d",
+            "--reward.remote_url", "x", "--algo.advantage.estimator", "reinforce", "--train.max_restarts", "2"]
+    with pytest.raises(ConfigError, match=r"--train\.max_restarts 2 resumes from the trainer's checkpoints, but "
+                                          r"--ckpt\.save_steps -1"):
+        config.parse_ppo(argv)
+    with pytest.raises(ConfigError, match=r"--train\.max_restarts 2: restarting a failed run is the launcher's"):
+        ppo_build.build_parts(config.parse_ppo([*argv, "--ckpt.save_steps", "1"]))

@@ -625,9 +625,26 @@ def place_critic(cfg: LaunchConfig) -> LaunchConfig:
     return dataclasses.replace(cfg, critic=critic)
 
 
+def restarts_from_ppo(cfg: LaunchConfig) -> LaunchConfig:
+    """``-- ppo --train.max_restarts N``: the launcher's ``--max_restarts N`` (the trainer, which
+    could not restart itself, does not get the flag); both given and different is refused."""
+    t = cfg.trainer
+    value = flag_value(t.args, "--train.max_restarts") if t.command == "ppo" else None
+    if value is None:
+        return cfg
+    try:
+        n = int(value)
+    except ValueError:
+        raise ConfigError(f"`-- ppo` --train.max_restarts {value}: a count") from None
+    if cfg.max_restarts not in (0, n):
+        raise ConfigError(f"`-- ppo` --train.max_restarts {n} but --max_restarts {cfg.max_restarts}: give it once")
+    return dataclasses.replace(cfg, max_restarts=n, trainer=dataclasses.replace(
+        t, args=tuple(without_flags(t.args, ("--train.max_restarts",)))))
+
+
 def make_plan(cfg: LaunchConfig) -> Plan:
     """Check every section and derive each daemon's flags (raises ConfigError naming the section)."""
-    cfg = place_critic(place_reference(place_reward_model(cfg)))
+    cfg = place_critic(place_reference(place_reward_model(restarts_from_ppo(cfg))))
     tcfg = trainer_config(cfg)
     ppo = tcfg if cfg.trainer.command == "ppo" else None
     builders = {"rollout": lambda: rollout_plan(cfg, ppo), "reference": lambda: reference_plan(cfg, ppo),

@@ -218,6 +218,7 @@ class PPOConfig:
         _check_placements(self)
         _check_remote_reference(self)
         _check_remote_critic(self)
+        _check_restarts(self)
         _check_colocation(self)
         _check_async(self)
         _check_weight_sync(self)
@@ -454,6 +455,13 @@ def _check_placements(cfg: PPOConfig) -> None:
                 f"{flags}: {what} runs in the trainer's ranks beside the actor (a placement of its own is not "
                 f"implemented here{apart}): leave it unset or equal to the actor's (--actor.num_nodes {a.num_nodes} x "
                 f"--actor.num_gpus_per_node {a.num_gpus_per_node})")
+
+
+def _check_restarts(cfg: PPOConfig) -> None:
+    """``--train.max_restarts`` resumes from checkpoints: the run must save some before its end."""
+    if cfg.train.max_restarts and cfg.ckpt.save_steps == -1:
+        raise ConfigError(f"--train.max_restarts {cfg.train.max_restarts} resumes from the trainer's checkpoints, but "
+                          "--ckpt.save_steps -1 saves one only at the end: give --ckpt.save_steps N")
 
 
 def _check_remote_critic(cfg: PPOConfig) -> None:

@@ -79,6 +79,10 @@ class RLTrainConfig(TrainConfig):
     ema_beta: float = _EMA_BETA
     """EMA decay, in [0, 1]: after each actor optimizer step ema = beta * ema + (1 - beta) * weights
     (OpenRLHF's default 0.992); only with enable_ema."""
+    max_restarts: int = 0
+    """Restarts of a failed run from its last checkpoint, up to this many: the launcher does them
+    (train_ppo_ray, treadle-launch, as its --max_restarts), the trainer alone when only it failed;
+    needs --ckpt.save_steps. treadle-train ppo on its own refuses it (nothing there could restart it)."""
 
     def __post_init__(self) -> None:
         TrainConfig.__post_init__(self)
@@ -90,6 +94,8 @@ class RLTrainConfig(TrainConfig):
             raise ConfigError(f"--agent_max_procs must be >= 1, got {self.agent_max_procs}")
         if self.partial_rollout_enable and not self.async_enable:
             raise ConfigError("--partial_rollout_enable needs --async_enable")
+        if self.max_restarts < 0:
+            raise ConfigError(f"--max_restarts must be >= 0, got {self.max_restarts}")
         if not 0.0 <= self.ema_beta <= 1.0:
             raise ConfigError(f"--ema_beta must be in [0, 1], got {self.ema_beta}")
         if self.ema_beta != _EMA_BETA and not self.enable_ema:

@@ -493,6 +493,9 @@ def build_parts(cfg: PPOConfig) -> PPOParts:
 
     # What depends on this machine (CUDA) is refused here, before anything starts; what the config
     # alone decides was refused when it was parsed.
+    if cfg.train.max_restarts:  # a launcher takes it off the trainer's flags and restarts the run itself
+        raise ConfigError(f"--train.max_restarts {cfg.train.max_restarts}: restarting a failed run is the launcher's; "
+                          "run it under python -m treadle.integration.train_ppo_ray or treadle-launch")
     sync_route(cfg, cuda=torch.cuda.is_available())
     if cfg.ds.enable_sleep and cfg.ds.adam_offload and torch.cuda.is_available():
         raise ConfigError("--ds.enable_sleep moves the optimizer's states off the GPU with ZeRO-3's offload_states, "
