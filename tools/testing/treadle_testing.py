@@ -1,7 +1,7 @@
 """Helpers the test suites share (packages/*/tests, integration/tests, tools/tests).
 
 On pytest's ``pythonpath`` (tools/testing, set in the root pyproject.toml), so any test or
-conftest imports it: ``from treadle_testing import Loop, free_port, load_by_path, load_tool,
+conftest imports it: ``from treadle_testing import Loop, critic_server, free_port, load_by_path, load_tool,
 rollout_daemon``.
 With ``--import-mode=importlib`` a test cannot import its conftest, and tools/ is not a
 package: before this module each suite carried its own copy of these.
@@ -72,6 +72,26 @@ def rollout_daemon(model: Path, env: dict[str, str], *flags: str) -> Iterator[st
         proc.send_signal(signal.SIGTERM)
         try:
             proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+@contextlib.contextmanager
+def critic_server(env: dict[str, str], cwd: Path, ranks: int = 1) -> Iterator[str]:
+    """``treadle-train critic --ranks RANKS`` (gloo ranks on CPU) on a free loopback port in its own
+    session; its endpoint (its clients wait for it to answer). On exit it must still be serving;
+    then SIGTERM, which stops it with status 0 (SIGKILL of its group after 30 s)."""
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    proc = subprocess.Popen([sys.executable, "-m", "treadle.trainer.cli", "critic", "--endpoint", endpoint,
+                             "--ranks", str(ranks)], env=env, cwd=cwd, start_new_session=True, stdin=subprocess.DEVNULL)
+    try:
+        yield endpoint
+        assert proc.poll() is None, f"the critic server exited with {proc.returncode}"
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            assert proc.wait(30) == 0, f"the critic server stopped with {proc.returncode}"
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()

@@ -4,15 +4,11 @@ client (``models.remote_critic``); the training itself is tested end to end in t
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
 from collections.abc import Iterator
 
 import numpy as np
 import pytest
-from treadle_testing import free_port
+from treadle_testing import critic_server
 
 from treadle.common.config import ConfigError
 from treadle.common.errors import BadRequest
@@ -27,19 +23,8 @@ PPO = ["--data.prompt_dataset", "p.jsonl", "--reward.remote_url", "r.py", "--alg
 
 @pytest.fixture(scope="module")
 def server(helpers) -> Iterator[str]:
-    endpoint = f"tcp://127.0.0.1:{free_port()}"
-    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                             "-m", "treadle.trainer.cli", "critic", "--endpoint", endpoint],
-                            env=helpers.child_env(), cwd=helpers.root, start_new_session=True, stdin=subprocess.DEVNULL)
-    try:
+    with critic_server(helpers.child_env(), helpers.root, ranks=2) as endpoint:
         yield endpoint
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
 
 
 @pytest.fixture

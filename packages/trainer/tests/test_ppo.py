@@ -13,19 +13,16 @@ the response, which a randomly initialised model already hits now and then, so G
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
-import os
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from treadle_testing import free_port, rollout_daemon
+from treadle_testing import critic_server, rollout_daemon
 
 REWARD = '''
 import torch
@@ -124,26 +121,6 @@ def test_a_reference_served_apart_scores_the_sampled_tokens(tiny, task, daemon, 
     assert "reference: scored by the daemon at --ref.remote_url" in proc.stdout + proc.stderr
 
 
-@contextlib.contextmanager
-def critic_server(helpers, nproc: int = 1) -> Iterator[str]:
-    """``treadle-train critic`` on a free loopback port (``nproc`` gloo ranks under torchrun), in its
-    own session; its endpoint (the trainer waits for it to answer). SIGTERM on exit."""
-    endpoint = f"tcp://127.0.0.1:{free_port()}"
-    head = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc > 1 else []
-    proc = subprocess.Popen([sys.executable, *head, "-m", "treadle.trainer.cli", "critic", "--endpoint", endpoint],
-                            env=helpers.child_env(), cwd=helpers.root, start_new_session=True, stdin=subprocess.DEVNULL)
-    try:
-        yield endpoint
-        assert proc.poll() is None, f"the critic server exited with {proc.returncode}"
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-
-
 GAE = ["--algo.advantage.estimator", "gae", "--rollout.n_samples_per_prompt", "1", "--rollout.batch_size", "8",
        "--train.batch_size", "8", "--train.micro_batch_size", "4", "--rollout.micro_batch_size", "8",
        "--data.max_samples", "24", "--algo.kl.init_coef", "0.01"]
@@ -159,7 +136,7 @@ def test_a_critic_trained_apart_gives_the_run_the_ranks_own_critic(tiny, task, d
         args = ppo_args(tiny, task, tmp_path / arm, daemon, *GAE, "--ckpt.save_steps", "1", *more)
         if arm == "ranks":
             return run_ppo(args, helpers)
-        with critic_server(helpers, nproc=2) as url:
+        with critic_server(helpers.child_env(), helpers.root, ranks=2) as url:
             return run_ppo([*args, "--critic.remote_url", url, "--critic.num_gpus_per_node", "2",
                             "--critic.save_value_network"], helpers, TREADLE_LOG_LEVEL="INFO")
 
@@ -446,7 +423,7 @@ def test_ppo_on_one_gpu_trains_its_critic_in_a_critic_server(tiny, task, helpers
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     on_gpu = ("--backend", "hf", "--engine.device", "cuda", "--gpu_ids", "0")
-    with serving(tiny, helpers, *on_gpu) as endpoint, critic_server(helpers) as url:
+    with serving(tiny, helpers, *on_gpu) as endpoint, critic_server(helpers.child_env(), helpers.root) as url:
         run_ppo(ppo_args(tiny, task, tmp_path, endpoint, *GAE, "--vllm.sync_backend", "cuda_ipc", "--ckpt.save_steps",
                          "1", "--critic.remote_url", url, "--critic.save_value_network"), helpers)
     rows = metrics(tmp_path)

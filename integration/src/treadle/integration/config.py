@@ -46,6 +46,18 @@ def _check_resources(cpus: float, gpus: int) -> None:
         raise ConfigError(f"--num_gpus must be >= 0, got {gpus}")
 
 
+def _check_ranks(part: TrainerLaunch | CriticLaunch) -> None:
+    """A process group's launch: ranks and nodes >= 1, a GPU per rank at most, its labels."""
+    _check_resources(part.num_cpus_per_rank, part.num_gpus_per_rank)
+    label_selector(part.node_labels)
+    if part.ranks < 1:
+        raise ConfigError(f"--ranks must be >= 1, got {part.ranks}")
+    if part.nodes < 1:
+        raise ConfigError(f"--nodes must be >= 1, got {part.nodes}")
+    if part.num_gpus_per_rank > 1:
+        raise ConfigError(f"--num_gpus_per_rank must be 0 or 1 (one GPU per rank), got {part.num_gpus_per_rank}")
+
+
 @configclass
 class RolloutLaunch:
     """The rollout daemon (``treadle-rollout serve``)."""
@@ -107,12 +119,7 @@ class CriticLaunch:
     """ray: KEY=VALUE labels each critic node must have (`ray start --labels`); empty: any node."""
 
     def __post_init__(self) -> None:
-        _check_resources(self.num_cpus_per_rank, self.num_gpus_per_rank)
-        label_selector(self.node_labels)
-        if self.ranks < 1 or self.nodes < 1:
-            raise ConfigError(f"--critic.ranks and --critic.nodes must be >= 1, got {self.ranks} and {self.nodes}")
-        if self.num_gpus_per_rank > 1:
-            raise ConfigError(f"--critic.num_gpus_per_rank must be 0 or 1 (one GPU per rank), got {self.num_gpus_per_rank}")
+        _check_ranks(self)
 
 
 @configclass
@@ -174,14 +181,7 @@ class TrainerLaunch:
     """ray: KEY=VALUE labels each trainer node must have (`ray start --labels`); empty: any node."""
 
     def __post_init__(self) -> None:
-        _check_resources(self.num_cpus_per_rank, self.num_gpus_per_rank)
-        label_selector(self.node_labels)
-        if self.ranks < 1:
-            raise ConfigError(f"--ranks must be >= 1, got {self.ranks}")
-        if self.nodes < 1:
-            raise ConfigError(f"--nodes must be >= 1, got {self.nodes}")
-        if self.num_gpus_per_rank > 1:
-            raise ConfigError(f"--num_gpus_per_rank must be 0 or 1 (one GPU per rank), got {self.num_gpus_per_rank}")
+        _check_ranks(self)
 
 
 @configclass

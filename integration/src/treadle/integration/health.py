@@ -1,8 +1,7 @@
 """Readiness of a launched daemon, asked through the daemon's own health call.
 
 - rollout: ``RolloutClient.health`` answers, and every engine of the pool is ready;
-- rewards: the reward client's ``health`` answers (the daemon binds only once its scorers run);
-- critic: the critic server's RPC ``health`` answers (its ranks have joined their group);
+- rewards, critic: the RPC server's built-in ``health`` answers (``RpcProbe``);
 - agents: ``GET /health`` of the gateway answers 200 (it answers 503 until the rollout pool does).
 
 A ``Probe`` makes one short attempt per ``check()`` so the caller can watch processes and
@@ -50,31 +49,10 @@ class RolloutProbe:
             self._client.close()
 
 
-class RewardsProbe:
-    """Ready when the reward daemon's ZeroMQ endpoint answers ``health``."""
-
-    def __init__(self, endpoint: str, curve: Any = None) -> None:
-        from treadle.rewards.client import SyncRewardClient  # noqa: PLC0415
-
-        self._client = SyncRewardClient(endpoint, curve=curve, timeout_s=ATTEMPT_S)
-
-    def check(self) -> bool:
-        from treadle.common.errors import TreadleError  # noqa: PLC0415
-
-        try:
-            self._client.health()
-        except (TreadleError, TimeoutError):
-            return False
-        return True
-
-    def close(self) -> None:
-        with contextlib.suppress(Exception):
-            self._client.close()
-
-
 class RpcProbe:
-    """Ready when a treadle RPC server answers its built-in ``health`` (the critic server binds once
-    its ranks have joined their group; it loads its model when the trainer sends the run's flags)."""
+    """Ready when a treadle RPC server answers its built-in ``health``: the reward daemon binds
+    only once its scorers run; the critic server once its ranks have joined their group (it loads
+    its model when the trainer sends the run's flags)."""
 
     def __init__(self, endpoint: str, curve: Any = None) -> None:
         from treadle.common.rpc import SyncRpcClient  # noqa: PLC0415
@@ -124,10 +102,9 @@ def probe_for(name: str, addresses: Addresses, curve: Any = None) -> Probe:
     if name in ("rollout", "reference"):
         endpoint = getattr(addresses, name) or ""
         return RolloutProbe(endpoint, keys_for(endpoint))
-    if name == "rewards":
-        return RewardsProbe(addresses.rewards or "", keys_for(addresses.rewards or ""))
-    if name == "critic":
-        return RpcProbe(addresses.critic or "", keys_for(addresses.critic or ""))
+    if name in ("rewards", "critic"):
+        endpoint = getattr(addresses, name) or ""
+        return RpcProbe(endpoint, keys_for(endpoint))
     if name == "agents":
         return HttpProbe(addresses.agents or "")
     raise ValueError(f"no health probe for {name!r}")
