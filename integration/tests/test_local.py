@@ -113,9 +113,10 @@ def test_a_launcher_killed_hard_still_stops_its_daemons(task, helpers, tmp_path)
 
 
 def test_a_reward_model_given_devices_of_its_own_is_served_by_a_reward_daemon(tiny, task, helpers, tmp_path):
-    """``--reward.num_gpus_per_node 1`` beside an actor of 2 ranks, no colocation flag: the reward
-    model runs apart (OpenRLHF's meaning), in a reward daemon the launcher starts with ``--rm.path``;
-    the trainer scores through it and trains both steps."""
+    """``--reward.num_gpus_per_node 3`` beside an actor of 2 ranks, no colocation flag: the reward
+    model runs apart (OpenRLHF's meaning), in a reward daemon the launcher starts with ``--rm.path``
+    and a copy per device (``--rm.replicas 3``: CPU copies here); the trainer scores through it and
+    trains both steps."""
     import torch
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
@@ -125,7 +126,7 @@ def test_a_reward_model_given_devices_of_its_own_is_served_by_a_reward_daemon(ti
     AutoTokenizer.from_pretrained(tiny).save_pretrained(rm_dir)
     run = tmp_path / "run"
     flags = helpers.ppo_flags(tiny, task, tmp_path, "--vllm.backend", "hf", "--reward.model_name_or_path", str(rm_dir),
-                              "--reward.num_gpus_per_node", "1")
+                              "--reward.num_gpus_per_node", "3")
     values = {"--actor.num_gpus_per_node": "2", "--train.micro_batch_size": "4", "--rollout.micro_batch_size": "4"}
     flags = [values.get(flags[i - 1], f) if i else f for i, f in enumerate(flags)]
     proc = helpers.launch(["--run_dir", str(run), "--trainer.ranks", "2", *ROLLOUT, "--", "ppo", *flags])
@@ -134,7 +135,7 @@ def test_a_reward_model_given_devices_of_its_own_is_served_by_a_reward_daemon(ti
     comps = helpers.run_json(run)["components"]
     assert {n: c["exit_code"] for n, c in comps.items()} == {"rollout": 0, "rewards": 0, "trainer": 0}
     rewards, trainer = comps["rewards"]["cmd"], comps["trainer"]["cmd"]
-    assert rewards[rewards.index("--rm.path") + 1] == str(rm_dir)
+    assert rewards[rewards.index("--rm.path") + 1] == str(rm_dir) and rewards[rewards.index("--rm.replicas") + 1] == "3"
     assert "--reward.remote_url" in trainer and "--reward.model_name_or_path" not in trainer
     assert "--reward.num_gpus_per_node" not in trainer
     rows = [json.loads(line) for line in (tmp_path / "ckpt" / "metrics.jsonl").read_text().splitlines()]

@@ -617,8 +617,14 @@ def test_a_reward_model_apart_becomes_a_reward_daemon_and_the_rest_stays_in_the_
                    "--rewards.node_labels", "role=rm", "--", "rollout", "--", "ppo", *PPO, *RM_APART,
                    "--algo.advantage.estimator", "gae", "--ds.param_dtype", "bf16", "--reward.normalize_enable")
     rewards = plan.daemon("rewards")
-    assert rewards.args == ("serve", "--rm.path", "RM", "--rm.dtype", "bf16", "--rm.max_len", "40", "--rm.normalize")
+    assert rewards.args == ("serve", "--rm.path", "RM", "--rm.dtype", "bf16", "--rm.replicas", "1", "--rm.max_len", "40",
+                            "--rm.normalize")
     assert rewards.num_gpus == 1 and selectors_of(plan)[bundles_of(plan)[1]["rewards"]] == {"role": "rm"}
+    # more GPUs on its node: a copy of the model on each (the daemon scores that many batches at once)
+    four = plan_of("--backend", "ray", "--trainer.ranks", "2", "--trainer.num_gpus_per_rank", "1", "--", "rollout",
+                   "--", "ppo", *PPO, *RM_APART[:-4], "--reward.num_gpus_per_node", "4", "--actor.num_gpus_per_node",
+                   "2").daemon("rewards")
+    assert flag_value(four.args[1:], "--rm.replicas") == "4" and four.num_gpus == 4
     t = plan.trainer_cfg
     assert t.reward.model_name_or_path is None and t.reward.remote_url and t.reward.num_gpus_per_node is None
     assert t.critic.model_name_or_path == "RM"  # the critic still starts from the reward model, as OpenRLHF's
@@ -633,7 +639,7 @@ def test_a_reward_model_apart_becomes_a_reward_daemon_and_the_rest_stays_in_the_
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["--reward.num_gpus_per_node", "2", "--actor.num_gpus_per_node", "4"], "on one device"),
+    (["--reward.num_nodes", "2", "--actor.num_gpus_per_node", "4"], "one reward daemon on one node"),
 ])
 def test_what_a_reward_model_apart_cannot_be_is_refused(extra, message):
     with pytest.raises(ConfigError, match=message):

@@ -27,7 +27,7 @@ FLAGS = [
     "--math.extraction", "--math.max_answer_chars", "--math.max_response_chars", "--metrics_port", "--port",
     "--reward.model_name_or_path", "--reward.no_normalize_enable", "--reward.normalize_enable", "--rm.append_eos",
     "--rm.attn_implementation", "--rm.device", "--rm.disable_fast_tokenizer", "--rm.dtype", "--rm.max_len",
-    "--rm.micro_batch_size", "--rm.no_append_eos", "--rm.no_normalize", "--rm.normalize", "--rm.path",
+    "--rm.micro_batch_size", "--rm.no_append_eos", "--rm.no_normalize", "--rm.normalize", "--rm.path", "--rm.replicas",
     "--rm.value_head_prefix", "--rm.weight", "--score_from", "--shaping.length_unit", "--shaping.max_new_tokens",
     "--shaping.overlong_buffer_len", "--shaping.overlong_penalty_factor", "--shaping.stop_properly_penalty_coef",
     "--shaping.stop_texts", "--shaping.tokenizer", "--weights", "--workers.isolate_failures", "--workers.memory_mb",

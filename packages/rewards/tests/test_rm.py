@@ -69,6 +69,25 @@ def test_daemon_serves_the_model_alone_and_combined(serve, tiny_rm):
     assert res.scores.tolist() == [0.0, 0.0, 0.0] and res.extra_logs["rm/reward"][0] == pytest.approx(ref[0], abs=1e-5)
 
 
+def test_replicas_score_batches_at_once_and_alike(serve, tiny_rm):
+    """``--rm.replicas 2`` (a reward model apart on 2 GPUs; 2 copies on CPU here): the daemon's
+    batcher runs two batches at once, one per copy, and each text gets the one model's score."""
+    import concurrent.futures
+
+    from treadle.rewards.rm import replica_devices
+
+    assert replica_devices("cpu", 3) == ["cpu"] * 3 and replica_devices("cuda:1", 1) == ["cuda:1"]
+    ref = reference_scores(tiny_rm, TEXTS)
+    d = serve(rm=RMConfig(path=str(tiny_rm), micro_batch_size=4, device="cpu", replicas=2))
+    with SyncRewardClient(d.daemon.addresses.zmq) as z, concurrent.futures.ThreadPoolExecutor(4) as ex:
+        results = list(ex.map(lambda _: z.score(TEXTS), range(4)))
+    for res in results:
+        np.testing.assert_allclose(res.rewards, ref, atol=1e-5)
+    assert results[0].provenance["components"][0]["replicas"] == 2
+    with pytest.raises(Exception, match="puts one copy on each GPU"):
+        RMConfig(path="m", device="cuda:1", replicas=2)
+
+
 def test_overlong_penalty_counts_the_model_tokenizers_tokens(serve, tiny_rm):
     from transformers import AutoTokenizer
 

@@ -452,13 +452,14 @@ def place_reward_model(cfg: LaunchConfig) -> LaunchConfig:
     the reward model on GPUs of its own, as OpenRLHF places it. (Counts equal to the actor's keep
     it in the trainer's ranks, treadle's default, where OpenRLHF would still give it devices of its
     own: a command that ran before runs the same.) The launcher does it with a reward daemon serving RM
-    (``treadle-rewards serve --rm.path RM``, its dtype and normalisation from the ppo flags) on
-    ``G`` GPUs of its own under ``--backend ray`` (CPU processes on a CPU-only cluster, or with
+    (``treadle-rewards serve --rm.path RM --rm.replicas G``, its dtype and normalisation from the ppo
+    flags) on ``G`` GPUs of its own under ``--backend ray`` (CPU processes on a CPU-only cluster, or with
     the local backend), and the trainer scores through it (``--reward.remote_url``, wired as for a
     ``-- rewards`` section). The critic still starts from RM (``--critic.model_name_or_path``) when
     it would have. Anything else is returned unchanged (colocated, the reward model runs in the
-    trainer's ranks; so does a PRM). One daemon serves one model on one device: more GPUs, or a
-    ``-- rewards`` section of the user's own, are refused.
+    trainer's ranks; so does a PRM). One daemon serves the model on one node, a copy per GPU there
+    (``--rm.replicas G``, each scoring its own batches at once): more nodes, or a ``-- rewards``
+    section of the user's own, are refused.
 
     Scoring differs in one way from the trainer's own: the daemon scores the decoded text, which it
     tokenises again (as OpenRLHF's remote reward models do), where the ranks score token ids.
@@ -480,29 +481,27 @@ def place_reward_model(cfg: LaunchConfig) -> LaunchConfig:
     same = all(v is None or v == actor[f] for f, v in counts.items())
     if same or train.colocate_all or train.colocate_critic_reward or not r.model_name_or_path:
         return cfg  # in the trainer's ranks: the trainer's own check of the counts applies
-    devices = 1
-    for f, v in counts.items():
-        if v is not None:
-            try:
-                devices *= int(v)
-            except ValueError:
-                raise ConfigError(f"`-- ppo` {f} {v}: a count") from None
+    try:
+        nodes, per_node = (int(counts[f] or actor[f]) for f in REWARD_PLACEMENT)
+    except ValueError:
+        raise ConfigError(f"`-- ppo` {', '.join(f'{f} {v}' for f, v in counts.items() if v)}: counts") from None
     where = ", ".join(f"{f} {v}" for f, v in counts.items() if v is not None)
-    if devices != 1:
-        raise ConfigError(f"`-- ppo` {where}: a reward model placed apart is served by one reward daemon on one "
-                          "device; give 1 (or --train.colocate_critic_reward to score in the trainer's ranks)")
+    if nodes != 1:
+        raise ConfigError(f"`-- ppo` {where}: a reward model placed apart is served by one reward daemon on one node "
+                          "(its GPUs there hold a copy each): give --reward.num_nodes 1 (or "
+                          "--train.colocate_critic_reward to score in the trainer's ranks)")
     if cfg.rewards.args is not None:
         raise ConfigError(f"`-- ppo` {where}: the launcher would serve the reward model in a reward daemon, but there "
                           "is a `-- rewards` section already: give it --rm.path there (and drop the ppo flags), or "
                           "add --train.colocate_critic_reward")
-    rm = ["--rm.path", r.model_name_or_path, "--rm.dtype", ppo.ds.param_dtype,
+    rm = ["--rm.path", r.model_name_or_path, "--rm.dtype", ppo.ds.param_dtype, "--rm.replicas", str(per_node),
           "--rm.max_len", str(ppo.max_len), "--rm.normalize" if r.normalize_enable else "--rm.no_normalize"]
     trainer = without_flags(stripped, ("--reward.model_name_or_path", "--reward.normalize_enable",
                                        "--reward.no_normalize_enable", "--reward.offload", "--reward.no_offload"))
     if ppo.critic_origin == "--reward.model_name_or_path":  # OpenRLHF starts the critic from the RM
         trainer += ["--critic.model_name_or_path", r.model_name_or_path]
     gpus_per_rank = cfg.trainer.num_gpus_per_rank
-    rewards = RewardsLaunch(args=tuple(rm), num_gpus=1 if gpus_per_rank else 0,
+    rewards = RewardsLaunch(args=tuple(rm), num_gpus=per_node if gpus_per_rank else 0,
                             num_cpus=cfg.rewards.num_cpus, node_labels=cfg.rewards.node_labels)
     return dataclasses.replace(cfg, rewards=rewards, trainer=dataclasses.replace(t, args=tuple(trainer)))
 

@@ -22,7 +22,7 @@ from the trainer's own flags (``--reward.model_name_or_path`` in the trainer ran
 ``--reward.remote_url`` a file, a daemon or a URL). A critic (gae) given other counts than the
 actor's (``--critic.num_nodes`` x ``--critic.num_gpus_per_node``), without
 ``--train.colocate_critic_reward`` / ``--train.colocate_all``, trains in a critic server of those
-ranks (``plan.place_critic``: one torchrun part per node, a GPU per rank). A reward model given other counts than the actor's (1 x 1), without
+ranks (``plan.place_critic``: one torchrun part per node, a GPU per rank). A reward model given other counts than the actor's (1 node x G GPUs), without
 ``--train.colocate_critic_reward`` / ``--train.colocate_all``, is served apart by a reward daemon
 (``plan.place_reward_model``); a reference given other counts (1 node x G), without
 ``--train.colocate_actor_ref`` / ``--train.colocate_all``, by a reference daemon of G engines

@@ -93,6 +93,9 @@ class RMConfig:
     """Compute dtype (fp32 / bf16 / fp16: OpenRLHF's spellings of the same)."""
     device: str = "auto"
     """Torch device (auto: cuda when torch sees a GPU, else cpu; cpu, cuda, cuda:1, ...)."""
+    replicas: int = 1
+    """Copies of the model, each scoring its own batches at once (data parallel): on CUDA one per GPU,
+    cuda:0 ... cuda:R-1 of those visible (--device auto or cuda); on CPU R copies in host memory."""
     attn_implementation: Annotated[str | None, alias("--ds.attn_implementation")] = None
     """HF attention implementation (sdpa, eager, flash_attention_2 on CUDA with flash-attn, ...); None: transformers' choice."""
     max_len: Annotated[int, alias("--data.max_len")] = 2048
@@ -111,6 +114,11 @@ class RMConfig:
     def __post_init__(self) -> None:
         if self.max_len < 1 or self.micro_batch_size < 1:
             raise ConfigError(f"--max_len and --micro_batch_size must be >= 1, got {self.max_len}, {self.micro_batch_size}")
+        if self.replicas < 1:
+            raise ConfigError(f"--replicas must be >= 1, got {self.replicas}")
+        if self.replicas > 1 and self.device not in ("auto", "cuda", "cpu"):
+            raise ConfigError(f"--replicas {self.replicas} puts one copy on each GPU: --device auto, cuda or cpu, "
+                              f"not one device ({self.device})")
         if not self.value_head_prefix.isidentifier():
             raise ConfigError(f"--value_head_prefix must be a Python identifier, got {self.value_head_prefix!r}")
 

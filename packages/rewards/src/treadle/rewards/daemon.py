@@ -115,15 +115,19 @@ class RewardDaemon:
         r = self.cfg.rm
         if r.path is None:
             return None
-        from treadle.rewards.rm import RewardModelScorer  # noqa: PLC0415  (torch: only when a model is served)
+        from treadle.rewards.rm import ReplicaPool, RewardModelScorer, replica_devices  # noqa: PLC0415  (torch)
 
-        scorer = await asyncio.to_thread(RewardModelScorer, r.path, dtype=r.dtype, device=r.device, max_len=r.max_len,
-                                         micro_batch_size=r.micro_batch_size, append_eos=r.append_eos,
-                                         normalize=r.normalize, attn_implementation=r.attn_implementation,
-                                         value_head_prefix=r.value_head_prefix, use_fast=not r.disable_fast_tokenizer)
-        self._rm = scorer
-        b = self._batcher("rm", scorer.score, 1)
-        return Component(name="rm", weight=r.weight, submit=b.submit, provenance=scorer.provenance)
+        def load(device: str) -> RewardModelScorer:
+            return RewardModelScorer(r.path, dtype=r.dtype, device=device, max_len=r.max_len,
+                                     micro_batch_size=r.micro_batch_size, append_eos=r.append_eos,
+                                     normalize=r.normalize, attn_implementation=r.attn_implementation,
+                                     value_head_prefix=r.value_head_prefix, use_fast=not r.disable_fast_tokenizer)
+
+        devices = replica_devices(r.device, r.replicas)
+        pool = ReplicaPool(list(await asyncio.gather(*(asyncio.to_thread(load, d) for d in devices))))
+        self._rm = pool.scorers[0]
+        b = self._batcher("rm", pool.score, pool.size)
+        return Component(name="rm", weight=r.weight, submit=b.submit, provenance=pool.provenance)
 
     def _shaping(self) -> Shaping | None:
         s = self.cfg.shaping

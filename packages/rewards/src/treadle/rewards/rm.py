@@ -163,3 +163,42 @@ class RewardModelScorer:
         async with self._lock:
             rewards = await asyncio.to_thread(self.score_texts, list(batch.queries))
         return RewardOutput(rewards=rewards)
+
+
+def replica_devices(device: str, replicas: int) -> list[str]:
+    """The devices of ``replicas`` copies (pure but for CUDA's presence and count): one GPU each on
+    CUDA, ``cpu`` each on CPU; ValueError when fewer GPUs are visible than copies."""
+    resolved = resolve_device(device)
+    if replicas == 1:
+        return [device]
+    if resolved.type != "cuda":
+        return ["cpu"] * replicas
+    if torch.cuda.device_count() < replicas:
+        raise ValueError(f"--rm.replicas {replicas}: one copy per GPU, but {torch.cuda.device_count()} are visible "
+                         "(CUDA_VISIBLE_DEVICES)")
+    return [f"cuda:{i}" for i in range(replicas)]
+
+
+class ReplicaPool:
+    """Copies of one reward model on several devices: each batch goes to a free copy, so up to
+    ``size`` batches score at once (the daemon's batcher runs that many)."""
+
+    def __init__(self, scorers: list[RewardModelScorer]) -> None:
+        self.scorers = scorers
+        self._free: asyncio.Queue[RewardModelScorer] = asyncio.Queue()
+        for s in scorers:
+            self._free.put_nowait(s)
+        self.provenance = dict(scorers[0].provenance)
+        if len(scorers) > 1:
+            self.provenance["replicas"] = len(scorers)
+
+    @property
+    def size(self) -> int:
+        return len(self.scorers)
+
+    async def score(self, batch: RewardBatch) -> RewardOutput:
+        scorer = await self._free.get()
+        try:
+            return await scorer.score(batch)
+        finally:
+            self._free.put_nowait(scorer)

@@ -444,7 +444,7 @@ def _check_placements(cfg: PPOConfig) -> None:
                  ("num_gpus_per_node", other.num_gpus_per_node, a.num_gpus_per_node)) if mine is not None]
         if any(mine != theirs for _, mine, theirs in given):
             flags = ", ".join(f"--{role}.{name} {mine}" for name, mine, _ in given)
-            apart = {"reward": " (under treadle-launch or train_ppo_ray, a reward model given 1 x 1 and no "
+            apart = {"reward": " (under treadle-launch or train_ppo_ray, a reward model given 1 node x G GPUs and no "
                                "--train.colocate_critic_reward is served apart by a reward daemon)",
                      "critic": " (under treadle-launch or train_ppo_ray it trains apart in a critic server; else start "
                                "one with `treadle-train critic --endpoint tcp://HOST:PORT` there and give "
