@@ -625,6 +625,20 @@ def test_a_reward_model_apart_becomes_a_reward_daemon_and_the_rest_stays_in_the_
                    "--", "ppo", *PPO, *RM_APART[:-4], "--reward.num_gpus_per_node", "4", "--actor.num_gpus_per_node",
                    "2").daemon("rewards")
     assert flag_value(four.args[1:], "--rm.replicas") == "4" and four.num_gpus == 4
+    # over two nodes (ray): a reward daemon on each, 2 copies each; the trainer spreads its samples over both
+    spread = plan_of("--backend", "ray", "--trainer.ranks", "2", "--trainer.num_gpus_per_rank", "1", "--", "rollout",
+                     "--", "ppo", *PPO, *RM_APART[:-4], "--reward.num_nodes", "2", "--reward.num_gpus_per_node", "2",
+                     "--actor.num_gpus_per_node", "2")
+    two = spread.daemon("rewards")
+    assert two.parts == ("rewards", "rewards.1") and two.num_gpus == 2 and two.part_ports("rewards.1") == 2
+    bundles, index, _ = bundles_of(spread)
+    assert [bundles[index[p]] for p in two.parts] == [{"CPU": 1.0, "GPU": 2.0}] * 2
+    assert spread.trainer_cfg.reward.remote_reduce == "spread" and len(spread.trainer_cfg.reward.remote_urls) == 2
+    argv = trainer_argv(spread.cfg, Addresses(rollout=f"tcp://{IP}:1", rewards=f"tcp://{IP}:2,tcp://10.0.0.2:3"),
+                        python="py", keys=KEYS, sync_host=IP)
+    argv = argv[argv.index("ppo") + 1:]
+    assert flag_value(argv, "--reward.remote_url") == f"tcp://{IP}:2,tcp://10.0.0.2:3"
+    assert flag_value(argv, "--reward.remote_reduce") == "spread"
     t = plan.trainer_cfg
     assert t.reward.model_name_or_path is None and t.reward.remote_url and t.reward.num_gpus_per_node is None
     assert t.critic.model_name_or_path == "RM"  # the critic still starts from the reward model, as OpenRLHF's
@@ -639,11 +653,11 @@ def test_a_reward_model_apart_becomes_a_reward_daemon_and_the_rest_stays_in_the_
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["--reward.num_nodes", "2", "--actor.num_gpus_per_node", "4"], "one reward daemon on one node"),
+    (["--reward.num_nodes", "2", "--actor.num_gpus_per_node", "4"], "a reward daemon on each .* use --backend ray"),
 ])
 def test_what_a_reward_model_apart_cannot_be_is_refused(extra, message):
     with pytest.raises(ConfigError, match=message):
-        plan_of("--backend", "ray", "--trainer.ranks", "4", "--", "rollout", "--", "ppo", *PPO, *RM_APART, *extra)
+        plan_of("--trainer.ranks", "4", "--", "rollout", "--", "ppo", *PPO, *RM_APART, *extra)
     with pytest.raises(ConfigError, match="a `-- rewards` section already"):
         plan_of("--backend", "ray", "--trainer.ranks", "2", "--", "rollout", "--", "rewards", "--functions", "math",
                 "--", "ppo", *PPO, *RM_APART)
@@ -840,3 +854,36 @@ def test_a_critic_over_two_nodes_trains_apart_and_the_run_resumes_with_it(tiny, 
     assert [r["step"] for r in rows] == [1, 2, 3, 4] and all(r["critic/loss"] > 0 for r in rows), rows
     assert sorted(p.name for p in (tmp_path / "ckpt" / "step_00000004" / "critic").glob("*optim_states.pt")) == [
         "zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"]
+
+
+@pytest.mark.slow
+def test_a_reward_model_over_two_nodes_is_a_reward_daemon_on_each(tiny, task, helpers, tmp_path):
+    """``--reward.num_nodes 2 --reward.num_gpus_per_node 1`` beside an actor of one rank: a reward
+    daemon (the model, ``--rm.path``) on each of the two nodes labelled role=rm, each bound to its
+    node's address; the trainer deals its samples over both (``--reward.remote_reduce spread``)
+    and trains both steps."""
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    torch.manual_seed(0)
+    rm_dir = tmp_path / "rm"  # the tiny model with a seeded value head: a reward model
+    AutoModelForSequenceClassification.from_pretrained(tiny, num_labels=1).save_pretrained(rm_dir)
+    AutoTokenizer.from_pretrained(tiny).save_pretrained(rm_dir)
+    rm = {"num_cpus": 1, "labels": {"role": "rm"}}
+    with _cluster({"num_cpus": 3}, rm, rm) as (cluster, nodes, ray_tmp):
+        run = tmp_path / "run"
+        flags = helpers.ppo_flags(tiny, task, tmp_path, "--vllm.backend", "hf", "--reward.model_name_or_path",
+                                  str(rm_dir), "--reward.num_nodes", "2", "--reward.num_gpus_per_node", "1")
+        args = ["--backend", "ray", "--ray.address", cluster.address, "--run_dir", str(run),
+                "--rewards.node_labels", "role=rm", "--", "rollout", "--backend", "hf", "--", "ppo", *flags]
+        proc = helpers.launch(args, env=helpers.child_env(TREADLE_LOG_JSON="1", RAY_TMPDIR=str(ray_tmp)))
+        text = helpers.finish(proc, 600)
+        assert proc.returncode == 0, text[-6000:]
+        record = helpers.run_json(run)
+    comps = record["components"]
+    assert {comps["rewards"]["node_id"], comps["rewards.1"]["node_id"]} == {n.node_id for n in nodes[1:]}
+    urls = comps["trainer"]["cmd"][comps["trainer"]["cmd"].index("--reward.remote_url") + 1].split(",")
+    assert urls == record["addresses"]["rewards"].split(",") and len(set(urls)) == 2
+    assert "spread" in comps["trainer"]["cmd"]
+    rows = [json.loads(line) for line in (tmp_path / "ckpt" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2] and all(r["reward_failed"] == 0 for r in rows)

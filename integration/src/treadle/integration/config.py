@@ -129,9 +129,12 @@ class RewardsLaunch:
     args: tuple[str, ...] | None = None
     """Its flags (the ``-- rewards ...`` section); None: no reward daemon."""
     num_gpus: int = 0
-    """ray: GPUs reserved for its reward model."""
+    """ray: GPUs reserved for its reward model (on each node)."""
     num_cpus: float = 1.0
-    """ray: CPUs reserved for it."""
+    """ray: CPUs reserved for it (on each node)."""
+    nodes: int = 1
+    """ray: replicas, one reward daemon on each of this many nodes (``rewards``, ``rewards.1``, ...);
+    the trainer deals its samples over them (--reward.remote_reduce spread)."""
 
     node_labels: tuple[str, ...] = ()
     """ray: KEY=VALUE labels a node must have to host it (nodes get them from `ray start --labels`);
@@ -140,6 +143,8 @@ class RewardsLaunch:
     def __post_init__(self) -> None:
         _check_resources(self.num_cpus, self.num_gpus)
         label_selector(self.node_labels)
+        if self.nodes < 1:
+            raise ConfigError(f"--rewards.nodes must be >= 1, got {self.nodes}")
 
 
 @configclass
@@ -257,7 +262,7 @@ class LaunchConfig:
                     "--rewards.num_gpus": self.rewards.num_gpus, "--critic.num_gpus_per_rank": self.critic.num_gpus_per_rank,
                     "--trainer.num_gpus_per_rank": self.trainer.num_gpus_per_rank}
             used = [k for k, v in gpus.items() if v]
-            for part in ("trainer", "critic"):
+            for part in ("trainer", "critic", "rewards"):
                 if getattr(self, part).nodes > 1:
                     raise ConfigError(f"--{part}.nodes {getattr(self, part).nodes}: the local backend runs on this "
                                       f"machine; use --backend ray for a {part} across nodes")

@@ -73,6 +73,20 @@ class RpcProbe:
             self._client.close()
 
 
+class AllProbe:
+    """Ready when every one of ``probes`` is (replicas of one daemon)."""
+
+    def __init__(self, probes: list[Probe]) -> None:
+        self.probes = probes
+
+    def check(self) -> bool:
+        return all(p.check() for p in self.probes)
+
+    def close(self) -> None:
+        for p in self.probes:
+            p.close()
+
+
 class HttpProbe:
     """Ready when ``GET {url}/health`` answers 200."""
 
@@ -102,9 +116,9 @@ def probe_for(name: str, addresses: Addresses, curve: Any = None) -> Probe:
     if name in ("rollout", "reference"):
         endpoint = getattr(addresses, name) or ""
         return RolloutProbe(endpoint, keys_for(endpoint))
-    if name in ("rewards", "critic"):
-        endpoint = getattr(addresses, name) or ""
-        return RpcProbe(endpoint, keys_for(endpoint))
+    if name in ("rewards", "critic"):  # rewards: one endpoint per replica, comma-separated
+        probes = [RpcProbe(e, keys_for(e)) for e in (getattr(addresses, name) or "").split(",")]
+        return probes[0] if len(probes) == 1 else AllProbe(probes)
     if name == "agents":
         return HttpProbe(addresses.agents or "")
     raise ValueError(f"no health probe for {name!r}")

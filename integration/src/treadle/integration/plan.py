@@ -115,7 +115,8 @@ class DaemonPlan:
     ranks: int = 1
     """critic: processes per node (under torchrun when the world has more than one)."""
     nodes: int = 1
-    """critic: nodes (one part each: ``critic``, ``critic.1``, ...; ``parts``)."""
+    """critic: nodes of its one world (one part each: ``critic``, ``critic.1``, ...; ``parts``);
+    rewards: replicas, one reward daemon per node, each with its own addresses."""
 
     @property
     def module(self) -> str:
@@ -135,8 +136,15 @@ class DaemonPlan:
         """Its full command line on one node: ``python -m MODULE ARGV``; a critic over several
         nodes under torchrun, joined at ``rendezvous`` (on one node it starts its ``--ranks`` itself,
         and a SIGTERM stops it with status 0, where torchrun's own status would be 1)."""
-        head = torchrun_head(self.nodes, self.ranks, rendezvous) if self.nodes > 1 else []
+        head = torchrun_head(self.nodes, self.ranks, rendezvous) if self.name == "critic" and self.nodes > 1 else []
         return [python, *head, "-m", self.module, *argv]
+
+    def part_ports(self, part: str) -> int:
+        """Free ports part ``part`` needs where it runs: a reward replica its own addresses; the
+        critic's first part its endpoint and, over several nodes, torchrun's rendezvous."""
+        if self.name == "critic":
+            return self.ports_needed + (self.nodes > 1) if part == self.name else 0
+        return self.ports_needed
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -348,10 +356,13 @@ def rewards_plan(cfg: LaunchConfig) -> DaemonPlan:
     if zmq is not None and checked.zmq.endpoint is None:
         raise ConfigError("`-- rewards` --zmq.endpoint None: the trainer reaches the reward daemon over ZeroMQ")
     http = f"http://{checked.http.host}:{checked.http.port}" if port and checked.http.port is not None else None
+    if cfg.rewards.nodes > 1 and (zmq or port):
+        raise ConfigError(f"--rewards.nodes {cfg.rewards.nodes} starts a reward daemon on each node, each on ports the "
+                          "launcher picks: drop `-- rewards` --zmq.endpoint / --http.port")
     return DaemonPlan(name="rewards", args=("serve", *user),
                       port_flags=tuple(f for f, v in (("--zmq.endpoint", zmq), ("--http.port", port)) if not v),
                       given=Addresses(rewards=zmq, rewards_http=http), num_gpus=cfg.rewards.num_gpus,
-                      num_cpus=cfg.rewards.num_cpus)
+                      num_cpus=cfg.rewards.num_cpus, nodes=cfg.rewards.nodes)
 
 
 def agents_plan(cfg: LaunchConfig, ppo: Any) -> DaemonPlan:
@@ -403,6 +414,16 @@ def _ranks_flag(cfg: LaunchConfig) -> list[str]:
             for tok in (flag, str(getattr(t, field)))]
 
 
+def _spread_flag(cfg: LaunchConfig) -> list[str]:
+    """Reward daemons on several nodes (``--rewards.nodes``) are replicas: the trainer deals its
+    samples over them (``--reward.remote_reduce spread``), unless its flags say otherwise."""
+    t = cfg.trainer
+    if t.command != "ppo" or cfg.rewards.args is None or cfg.rewards.nodes < 2 or \
+            flag_value(t.args, "--reward.remote_reduce") is not None:
+        return []
+    return ["--reward.remote_reduce", "spread"]
+
+
 def trainer_groups(cfg: LaunchConfig) -> tuple[str, ...]:
     """Names of the trainer's per-node parts: ``trainer`` (node rank 0: rank 0), ``trainer.1``, ..."""
     if cfg.trainer.command is None:
@@ -429,7 +450,9 @@ def trainer_config(cfg: LaunchConfig) -> Any:
         if flag_value(args, flag) is not None:
             raise ConfigError(f"`-- ppo` {flag}: the launched {daemon} daemon provides it; drop the flag "
                               f"(or the `-- {daemon}` section)")
-        args += [flag, _PLACEHOLDER]
+        args += [flag, _PLACEHOLDER if daemon != "rewards" else
+                 ",".join(f"tcp://127.0.0.1:{i + 1}" for i in range(cfg.rewards.nodes))]
+    args += _spread_flag(cfg)
     try:
         return parse_command(command, args)
     except ConfigError as e:
@@ -457,9 +480,10 @@ def place_reward_model(cfg: LaunchConfig) -> LaunchConfig:
     the local backend), and the trainer scores through it (``--reward.remote_url``, wired as for a
     ``-- rewards`` section). The critic still starts from RM (``--critic.model_name_or_path``) when
     it would have. Anything else is returned unchanged (colocated, the reward model runs in the
-    trainer's ranks; so does a PRM). One daemon serves the model on one node, a copy per GPU there
-    (``--rm.replicas G``, each scoring its own batches at once): more nodes, or a ``-- rewards``
-    section of the user's own, are refused.
+    trainer's ranks; so does a PRM). A daemon serves the model on each of the N nodes, a copy per
+    GPU there (``--rm.replicas G``, each scoring its own batches at once), and the trainer deals its
+    samples over the N daemons (``--reward.remote_reduce spread``); N > 1 needs the Ray backend, and
+    a ``-- rewards`` section of the user's own is refused.
 
     Scoring differs in one way from the trainer's own: the daemon scores the decoded text, which it
     tokenises again (as OpenRLHF's remote reward models do), where the ranks score token ids.
@@ -486,10 +510,10 @@ def place_reward_model(cfg: LaunchConfig) -> LaunchConfig:
     except ValueError:
         raise ConfigError(f"`-- ppo` {', '.join(f'{f} {v}' for f, v in counts.items() if v)}: counts") from None
     where = ", ".join(f"{f} {v}" for f, v in counts.items() if v is not None)
-    if nodes != 1:
-        raise ConfigError(f"`-- ppo` {where}: a reward model placed apart is served by one reward daemon on one node "
-                          "(its GPUs there hold a copy each): give --reward.num_nodes 1 (or "
-                          "--train.colocate_critic_reward to score in the trainer's ranks)")
+    if nodes > 1 and cfg.backend != "ray":
+        raise ConfigError(f"`-- ppo` {where}: a reward model placed apart over several nodes is a reward daemon on each "
+                          "(Ray nodes): use --backend ray, or --reward.num_nodes 1 (or --train.colocate_critic_reward "
+                          "to score in the trainer's ranks)")
     if cfg.rewards.args is not None:
         raise ConfigError(f"`-- ppo` {where}: the launcher would serve the reward model in a reward daemon, but there "
                           "is a `-- rewards` section already: give it --rm.path there (and drop the ppo flags), or "
@@ -501,7 +525,7 @@ def place_reward_model(cfg: LaunchConfig) -> LaunchConfig:
     if ppo.critic_origin == "--reward.model_name_or_path":  # OpenRLHF starts the critic from the RM
         trainer += ["--critic.model_name_or_path", r.model_name_or_path]
     gpus_per_rank = cfg.trainer.num_gpus_per_rank
-    rewards = RewardsLaunch(args=tuple(rm), num_gpus=per_node if gpus_per_rank else 0,
+    rewards = RewardsLaunch(args=tuple(rm), num_gpus=per_node if gpus_per_rank else 0, nodes=nodes,
                             num_cpus=cfg.rewards.num_cpus, node_labels=cfg.rewards.node_labels)
     return dataclasses.replace(cfg, rewards=rewards, trainer=dataclasses.replace(t, args=tuple(trainer)))
 
@@ -827,6 +851,7 @@ def trainer_argv(cfg: LaunchConfig, addresses: Addresses, python: str = sys.exec
     args = [*t.args, *_ranks_flag(cfg)]
     for flag, daemon in _wired(cfg).items():
         args += [flag, getattr(addresses, daemon)]
+    args += _spread_flag(cfg)
     given = given_names(t.args)
     if t.command == "ppo":
         rollout_off = "--vllm.endpoint" in _wired(cfg) and _off_loopback(addresses.rollout)

@@ -52,6 +52,7 @@ again, placed anew.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
 import math
 import os
@@ -346,7 +347,7 @@ def place(plan: Plan, stop: threading.Event) -> tuple[Any, dict[str, Any], dict[
                               f"{plan.cfg.ray.placement_timeout_s:g} s (--ray.placement_timeout_s); free now: "
                               f"{ray.available_resources()}; nodes' labels: "
                               f"{[n.get('Labels', {}) for n in ray.nodes() if n.get('Alive')]}")
-    ports = {d.name: d.ports_needed + (d.nodes > 1) for d in plan.daemons}  # + a critic's rendezvous
+    ports = {part: d.part_ports(part) for d in plan.daemons for part in d.parts}
     actors, where = new_actors(plan, pg, list(index), ports)
     return pg, actors, where
 
@@ -433,10 +434,16 @@ def start_daemons(plan: Plan, sup: Supervisor, actors: dict[str, Any], where: di
             argv += rollout_placement_flags(plan, where)
         if d.name == "reference":
             argv += reference_gpu_flags(plan, where)
+        replicas = [(d.name, argv, mine)]
+        for part in d.parts[1:]:  # reward daemons on further nodes: replicas, each on its own node's addresses
+            replicas.append((part, *bind(d, where[part]["node_ip"], where[part]["ports"], addresses, keys)))
+        if len(replicas) > 1:
+            mine = dataclasses.replace(mine, rewards=",".join(r[2].rewards or "" for r in replicas))
         addresses = merge_addresses(addresses, mine)
-        log_path = run_dir / f"{d.name}.log"
-        ref = actors[d.name].run_main.remote(d.module, argv, str(log_path))
-        sup.add(ActorHandle(d.name, actors[d.name], where[d.name], ref, log_path, [d.module, *argv]))
+        for part, part_argv, _ in replicas:
+            log_path = run_dir / f"{part}.log"
+            ref = actors[part].run_main.remote(d.module, part_argv, str(log_path))
+            sup.add(ActorHandle(part, actors[part], where[part], ref, log_path, [d.module, *part_argv]))
     sup.record.addresses(addresses)
     return addresses
 
