@@ -66,12 +66,13 @@ test: $(STAMP) $(OPENRLHF_REF)/.unpacked
 	$(IN_TMP) OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "not slow and not gpu and not bench and not chaos" -p no:randomly
 	# issue 32: GRPO over a 3-node Ray cluster on this machine, an engine node lost mid-round
 	# on a 5-node one, engines colocated on two trainer nodes, a critic server over two nodes
-	# and resumed (slow-marked, ~2.5 min together)
+	# and resumed, a reward daemon on each of two nodes (slow-marked, ~3 min together)
 	$(IN_TMP) OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:randomly \
 	  integration/tests/test_ray_multinode.py::test_grpo_with_the_trainer_on_two_nodes_and_the_daemons_on_a_third \
 	  integration/tests/test_ray_multinode.py::test_engines_as_ray_actors_on_two_nodes_survive_losing_one_mid_round \
 	  integration/tests/test_ray_multinode.py::test_colocated_engines_run_beside_the_trainers_ranks_on_each_of_its_nodes \
-	  integration/tests/test_ray_multinode.py::test_a_critic_over_two_nodes_trains_apart_and_the_run_resumes_with_it
+	  integration/tests/test_ray_multinode.py::test_a_critic_over_two_nodes_trains_apart_and_the_run_resumes_with_it \
+	  integration/tests/test_ray_multinode.py::test_a_reward_model_over_two_nodes_is_a_reward_daemon_on_each
 
 test-slow: $(STAMP)
 	$(IN_TMP) OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "slow and not gpu"
