@@ -152,6 +152,35 @@ def test_a_critic_trained_apart_gives_the_run_the_ranks_own_critic(tiny, task, d
     assert (tmp_path / "apart" / "model_critic" / "model.safetensors").is_file()  # exported by the server
 
 
+def test_a_run_heals_a_daemon_whose_engine_an_earlier_update_quarantined(tiny, task, helpers, tmp_path):
+    """A daemon given by --vllm.endpoint whose engine failed an earlier update's canary (quarantined:
+    it takes no work) is still one the run can use: the trainer waits for engines that take an update,
+    not for ready ones (that wait ran out after 600 s), and its first sync heals the engine."""
+    import numpy as np
+    from safetensors.numpy import load_file
+
+    from treadle.common.records import InlineWeights
+    from treadle.rollout.client import EnginesQuarantined, SyncRolloutClient
+
+    weights = load_file(str(tiny / "model.safetensors"))  # the whole model: an update may not leave any out
+    names = sorted(weights)
+    bad = InlineWeights(version=1, names=names, dtypes=["float32"] * len(names),
+                        shapes=[list(weights[n].shape) for n in names], tensors=[weights[n].astype(np.float32) for n in names],
+                        canary_token_ids=np.arange(5, 21, dtype=np.int32), canary_logprobs=np.zeros(15, np.float32),
+                        canary_tolerance=1e-4)  # the same weights, a canary no model gives
+    with serving(tiny, helpers, "--backend", "hf") as endpoint:
+        with SyncRolloutClient(endpoint) as rc:
+            with pytest.raises(EnginesQuarantined):
+                rc.update_weights(bad)
+            assert rc.health()["status"] == "down"
+        proc = run_ppo(ppo_args(tiny, task, tmp_path, endpoint, "--algo.kl.init_coef", "0", "--data.max_samples", "8"),
+                       helpers, timeout=300, TREADLE_LOG_LEVEL="INFO")
+        with SyncRolloutClient(endpoint) as rc:
+            assert rc.health()["status"] == "ok"
+    assert [r["step"] for r in metrics(tmp_path)] == [1, 2]
+    assert "were quarantined by an earlier weight update" in proc.stderr
+
+
 @pytest.mark.slow
 def test_grpo_first_step_exact_then_reward_rises(tiny, task, daemon, helpers, tmp_path):
     run_ppo(ppo_args(tiny, task, tmp_path, daemon, "--algo.kl.init_coef", "0.01", "--train.num_episodes", "3",

@@ -72,6 +72,9 @@ def test_canary_mismatch_quarantines_until_a_good_update(tight_daemon, aio, mode
         health, stats = await rc.health(), await rc.stats()
         with pytest.raises(NoEngine):  # a quarantined engine takes no work
             await rc.generate(PROMPT, SamplingParams(max_tokens=2))
+        with pytest.raises(TimeoutError):  # not ready, but
+            await rc.wait_ready(timeout=0.5)
+        assert "e0" in (await rc.wait_ready(timeout=30, updatable=True))["quarantined"]  # it takes an update
         report = await rc.update_weights(update_to(2, b, good))
         res = await rc.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=8))
         return bad.value, health, stats, report, res, await rc.health()

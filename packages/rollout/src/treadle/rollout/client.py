@@ -54,6 +54,9 @@ from treadle.common.records import (
 from treadle.common.rpc import ClientCurve, LoopThread, RpcClient
 
 T = TypeVar("T")
+UPDATABLE_STATES = ("ready", "quarantined", "behind")
+"""Engine states a weight update goes to: loaded, at this version or not (a good update heals a
+quarantined engine and brings one behind up to date)."""
 UPDATE_TIMEOUT_S = 1800.0  # a weight load may take long; bounded so a dead daemon is noticed
 
 __all__ = ["EnginesQuarantined", "NoEngine", "NoWeightGroup", "RolloutClient", "SyncRolloutClient",
@@ -213,15 +216,19 @@ class RolloutClient:
         """Grow or shrink the pool to ``engines``; returns once newcomers serve / leavers drained."""
         return dict((await self._call("scale", Control(op="scale", args={"engines": engines}), timeout)).args)
 
-    async def wait_ready(self, timeout: float = 600.0, engines: int | None = None) -> dict[str, Any]:
-        """Poll ``health`` until every engine (or ``engines`` of them) is ready."""
+    async def wait_ready(self, timeout: float = 600.0, engines: int | None = None, *,
+                         updatable: bool = False) -> dict[str, Any]:
+        """Poll ``health`` until every engine (or ``engines`` of them) is ready; ``updatable``:
+        loaded and able to take a weight update (ready, quarantined by a failed canary, or behind),
+        for a sender about to bring them all to its weights (a good update heals a quarantined one)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         while True:
             try:
                 h = await self.health(timeout=5.0)
                 want = len(h["engines"]) if engines is None else engines
-                if h["engines_ready"] >= max(want, 1):
+                have = sum(s in UPDATABLE_STATES for s in h["engines"].values()) if updatable else h["engines_ready"]
+                if have >= max(want, 1):
                     return h
             except TreadleError:
                 pass

@@ -68,9 +68,10 @@ from treadle.common.records import (
     IpcWeights,
     WeightGroupSpec,
 )
+from treadle.rollout.client import UPDATABLE_STATES
 
 log = get_logger(__name__)
-UPDATABLE = ("ready", "quarantined", "behind")  # engines an update goes to
+UPDATABLE = UPDATABLE_STATES  # engines an update goes to
 STARVED_GRACE_S = 5.0  # after a member died mid-broadcast: the others' extra wait (``_receive_all``)
 
 

@@ -364,8 +364,12 @@ def rollout_side(parts: PPOParts) -> None:
     if parts.daemon is not None:
         seconds = parts.daemon.wait_ready(parts.sync_client)
         log.info("rollout daemon ready", extra={"fields": {"endpoint": endpoint, "seconds": round(seconds, 1)}})
-    else:
-        parts.sync_client.wait_ready(timeout=600.0)
+    else:  # engines that can take this run's first weight sync (a good update heals a quarantined one)
+        health = parts.sync_client.wait_ready(timeout=600.0, updatable=True)
+        if health.get("quarantined"):
+            log.warning("the rollout daemon's engines %s were quarantined by an earlier weight update; this run's "
+                        "first sync replaces their weights", sorted(health["quarantined"]),
+                        extra={"fields": {"reasons": health["quarantined"]}})
     lt = LoopThread(name="ppo-rollout")
     parts.closers.append(lt.stop)
 
