@@ -12,8 +12,10 @@ samples with ``--concurrency`` in flight; the transports alternate round by roun
 (``--repeats`` rounds each) and medians are compared (the CPU is noisy: PLATFORM.md).
 
     OMP_NUM_THREADS=1 .venv/bin/python tools/bench/bench_rewards.py --repeats 5
+    OMP_NUM_THREADS=1 .venv/bin/python tools/bench/bench_rewards.py --repeats 3 --rm-replicas 2
 
-Prints a markdown table: median samples/s per (scorer, transport) and ZeroMQ / HTTP.
+Prints a markdown table: median samples/s per (scorer, transport) and ZeroMQ / HTTP (and, with
+``--rm-replicas R``, R copies of the reward model against one).
 """
 
 from __future__ import annotations
@@ -51,6 +53,9 @@ class Args:
     """Worker processes of the rule function."""
     preset: str = "tiny"
     """tools/tiny_model.py preset of the reward model."""
+    rm_replicas: int = 1
+    """Above 1: the reward model again with ``--rm.replicas`` copies (CPU copies here: what a
+    reward model apart on that many GPUs runs), against one copy."""
 
 
 def build_rm(preset: str, out: Path) -> Path:
@@ -138,6 +143,10 @@ def main() -> None:
             f"reward model (Qwen2ForSequenceClassification, `{a.preset}` preset, fp32)": (
                 "--rm.path", str(rm), "--rm.micro_batch_size", str(a.batch)),
         }
+        if a.rm_replicas > 1:
+            scorers[f"the same, `--rm.replicas {a.rm_replicas}`"] = (
+                "--rm.path", str(rm), "--rm.micro_batch_size", str(a.batch), "--rm.replicas", str(a.rm_replicas),
+                "--rm.device", "cpu")
         for name, flags in scorers.items():
             proc, zmq, http = start_daemon(*flags)
             try:
@@ -152,6 +161,8 @@ def main() -> None:
     print("| scorer | HTTP samples/s | ZeroMQ samples/s | ZeroMQ / HTTP |\n| --- | --- | --- | --- |")
     for name, h, z, ratio in rows:
         print(f"| {name} | {h:,.0f} | {z:,.0f} | {ratio:.2f}x |")
+    if a.rm_replicas > 1:
+        print(f"\n--rm.replicas {a.rm_replicas} / one copy, ZeroMQ samples/s: {rows[2][2] / rows[1][2]:.2f}x")
 
 
 if __name__ == "__main__":
