@@ -123,8 +123,10 @@ class RewardDaemon:
                                      normalize=r.normalize, attn_implementation=r.attn_implementation,
                                      value_head_prefix=r.value_head_prefix, use_fast=not r.disable_fast_tokenizer)
 
-        devices = replica_devices(r.device, r.replicas)
-        pool = ReplicaPool(list(await asyncio.gather(*(asyncio.to_thread(load, d) for d in devices))))
+        # One copy after another: transformers' model loading patches process-wide state (weight init,
+        # tying), and two loads in two threads at once left later models in this process untied.
+        scorers = [await asyncio.to_thread(load, d) for d in replica_devices(r.device, r.replicas)]
+        pool = ReplicaPool(scorers)
         self._rm = pool.scorers[0]
         b = self._batcher("rm", pool.score, pool.size)
         return Component(name="rm", weight=r.weight, submit=b.submit, provenance=pool.provenance)
