@@ -117,10 +117,7 @@ class RemoteCritic:
         self._call("export", CriticCheckpoint(path=path, session=self.session))
 
     def _call(self, method: str, msg: Any) -> Any:
-        try:
-            return self._client.call(method, msg)
-        except BadRequest as e:
-            raise ConfigError(f"the critic server at --critic.remote_url {self.url} refused {method}: {e.message}") from None
+        return result(self._client.submit(method, msg), self.url, method)
 
     def close(self) -> None:
         self._client.close()
